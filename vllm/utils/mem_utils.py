@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Measure the peak memory torch allocates while a block of code runs."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["PeakMemory", "measure_peak_memory"]
+
+
+@dataclass
+class PeakMemory:
+    """Result of :func:`measure_peak_memory`, filled in when the block exits.
+
+    Attributes:
+        device: the device that was measured.
+        peak_bytes: the largest amount of memory allocated on ``device`` above
+            what was allocated when the block started (never negative).
+        net_bytes: allocated at the end minus allocated at the start (negative
+            when the block freed memory it did not allocate).
+        timeline: on CPU, (time_ns, bytes allocated above the start) after
+            every allocation and free, in order; empty on CUDA.
+    """
+
+    device: torch.device
+    peak_bytes: int = 0
+    net_bytes: int = 0
+    timeline: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def peak_mib(self) -> float:
+        return self.peak_bytes / (1 << 20)
+
+
+def _cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """(time_ns, signed bytes) of every CPU allocator event the profiler saw."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == "cpu":
+                events.append((node.start_time_ns, fields.alloc_size))
+        stack.extend(node.children)
+    # A stable sort on time keeps the recorded order of same-timestamp events.
+    events.sort(key=lambda e: e[0])
+    return events
+
+
+def _libc_fflush() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+@contextlib.contextmanager
+def _stderr_fd_silenced() -> Iterator[None]:
+    # Kineto logs a "profiler_start/stop" line to fd 2 on every use unless
+    # KINETO_LOG_LEVEL was set before torch loaded; keep benchmark output clean.
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            try:
+                yield
+            finally:
+                _libc_fflush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
+    """Measure the peak bytes allocated above the starting point in a block.
+
+    Usage::
+
+        with measure_peak_memory("cpu") as mem:
+            reorder_w1w3_to_w3w1(w, s)
+        print(mem.peak_bytes)
+
+    CUDA: the caching allocator's statistics (``torch.cuda.memory_allocated``
+    and ``max_memory_allocated``, after ``reset_peak_memory_stats``), with the
+    device synchronized at both ends. This resets the device's global peak
+    counter.
+
+    CPU: torch's own allocator accounting, as reported to the profiler's
+    memory events (``profile_memory=True``); every storage torch allocates or
+    frees on the CPU in the block is seen, in order, and the running sum's
+    maximum is the peak. Frees of tensors allocated before the block are not
+    reported by torch's CPU accounting, so on CPU the figure is the peak of the
+    block's own live allocations, an upper bound of the CUDA figure (which nets
+    such frees out); the two agree when the block frees nothing older than
+    itself. Process RSS is not used: it depends on the C
+    allocator's caching and page reuse, not on what torch asked for. The
+    profiler slows the block down: do not time code while measuring it.
+    """
+    device = torch.device(device)
+    result = PeakMemory(device=device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - start)
+        result.net_bytes = torch.cuda.memory_allocated(device) - start
+        return
+    if device.type != "cpu":
+        raise ValueError(
+            f"measure_peak_memory supports cpu and cuda devices, got {device}"
+        )
+    prof = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+    with _stderr_fd_silenced():
+        prof.start()
+    try:
+        yield result
+    finally:
+        with _stderr_fd_silenced():
+            prof.stop()
+    level = peak = 0
+    for t_ns, delta in _cpu_allocation_events(prof):
+        level += delta
+        peak = max(peak, level)
+        result.timeline.append((t_ns, level))
+    result.peak_bytes = peak
+    result.net_bytes = level
