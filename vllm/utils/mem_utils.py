@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import sys
 from collections.abc import Iterator
@@ -58,13 +57,6 @@ def _cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]
     return events
 
 
-def _libc_fflush() -> None:
-    try:
-        ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
-
-
 @contextlib.contextmanager
 def _stderr_fd_silenced() -> Iterator[None]:
     # Kineto logs a "profiler_start/stop" line to fd 2 on every use unless
@@ -77,7 +69,6 @@ def _stderr_fd_silenced() -> Iterator[None]:
             try:
                 yield
             finally:
-                _libc_fflush()
                 os.dup2(saved, 2)
     finally:
         os.close(saved)

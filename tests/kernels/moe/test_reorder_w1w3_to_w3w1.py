@@ -14,7 +14,13 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
 )
 from vllm.utils.mem_utils import measure_peak_memory
 
-DTYPES = [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32]
+DTYPES = [
+    torch.uint8,
+    torch.float8_e4m3fn,
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+]
 
 # (weight shape, scale shape) with [w1; w3] along dim -2: E, 2I, H/2 and H/16.
 # Real model shapes scaled down (Qwen3.6-35B-A3B: 256, 1024, 1024 / 128;
@@ -61,9 +67,7 @@ def assert_reorders_exactly(weight, scale, dim, **kwargs):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "shapes", LAYER_SHAPES, ids=lambda s: "x".join(map(str, s[0]))
-)
+@pytest.mark.parametrize("shapes", LAYER_SHAPES, ids=lambda s: "x".join(map(str, s[0])))
 @pytest.mark.parametrize("cap", CAPS)
 def test_matches_split_cat_layer_shapes(device, dtype, shapes, cap):
     w_shape, s_shape = shapes
@@ -152,7 +156,9 @@ QWEN36_SCALE = (256, 1024, 128)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cap", [DEFAULT_MAX_TRANSIENT_BYTES, 1 << 20], ids=["64MiB", "1MiB"])
+@pytest.mark.parametrize(
+    "cap", [DEFAULT_MAX_TRANSIENT_BYTES, 1 << 20], ids=["64MiB", "1MiB"]
+)
 def test_peak_memory_within_cap_at_qwen36_shape(device, cap):
     weight = random_bits(QWEN36_WEIGHT, torch.uint8, device, seed=11)
     scale = random_bits(QWEN36_SCALE, torch.float8_e4m3fn, device, seed=12)
@@ -203,12 +209,24 @@ def _bad_inputs():
         ("out of range for weight", ValueError, (w, s), {"dim": 3}),
         ("out of range for weight", ValueError, (w, s), {"dim": -4}),
         ("dim must be an int", TypeError, (w, s), {"dim": 1.0}),
-        ("max_transient_bytes must be positive", ValueError, (w, s),
-         {"max_transient_bytes": 0}),
-        ("max_transient_bytes must be positive", ValueError, (w, s),
-         {"max_transient_bytes": -5}),
-        ("max_transient_bytes must be an int", TypeError, (w, s),
-         {"max_transient_bytes": 1.5}),
+        (
+            "max_transient_bytes must be positive",
+            ValueError,
+            (w, s),
+            {"max_transient_bytes": 0},
+        ),
+        (
+            "max_transient_bytes must be positive",
+            ValueError,
+            (w, s),
+            {"max_transient_bytes": -5},
+        ),
+        (
+            "max_transient_bytes must be an int",
+            TypeError,
+            (w, s),
+            {"max_transient_bytes": 1.5},
+        ),
         ("must not share memory", ValueError, (w, w), {}),
         ("at least one dimension", ValueError, (torch.tensor(3), s), {"dim": 0}),
     ]
@@ -223,7 +241,7 @@ def test_bad_input_is_rejected_and_changes_nothing(case):
     with pytest.raises(error, match=message):
         reorder_w1w3_to_w3w1(*args, **kwargs)
     after = [a for a in args if isinstance(a, torch.Tensor)]
-    for b, a in zip(before, after):
+    for b, a in zip(before, after, strict=True):
         assert torch.equal(bytes_of(b), bytes_of(a))
 
 

@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Benchmark reorder_w1w3_to_w3w1 against its predecessors and a memcpy.
+
+For each gated model preset's w13 weight + block scale (one MoE layer) on each
+device, time (median of --repeats):
+
+  memcpy        dst.copy_(src) of the same bytes into a preallocated buffer:
+                the achievable bandwidth (one read + one write per byte)
+  split+cat     the pre-change reorder (returns a full new copy)
+  clone-64MiB   the first in-place fix: clone a 64 MiB chunk, copy twice
+  inplace       this implementation, default cap and a few smaller caps
+
+Every variant's result is checked byte for byte against split+cat before it is
+timed. Peak transient memory is measured in a separate, untimed call.
+
+    python benchmarks/kernels/benchmark_reorder_w1w3.py --models qwen3.6-35b-a3b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from vllm.benchmarks.legacy_moe_prep import clone_chunk_reorder, split_cat_reorder
+from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS
+from vllm.benchmarks.moe_weight_prep import synthetic_w13
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    reorder_w1w3_to_w3w1,
+)
+from vllm.utils.mem_utils import measure_peak_memory
+
+MIB = 1 << 20
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _peak(fn, device) -> int:
+    with measure_peak_memory(device) as mem:
+        out = fn()
+        del out
+    return mem.peak_bytes
+
+
+def bench_model(name: str, device: torch.device, repeats: int, caps: list[int]):
+    preset = MOE_MODEL_PRESETS[name]
+    weight, scale = synthetic_w13(preset, 1, device, seed=0)
+    nbytes = weight.numel() + scale.numel()
+    want_w, want_s = split_cat_reorder(weight, scale)
+    original = (weight.clone(), scale.clone())
+
+    def check(label):
+        ok = torch.equal(weight, want_w) and torch.equal(
+            scale.view(torch.uint8), want_s.view(torch.uint8)
+        )
+        if not ok:
+            raise RuntimeError(f"{name}: {label} differs from split+cat")
+        weight.copy_(original[0])
+        scale.copy_(original[1])
+
+    dst_w, dst_s = torch.empty_like(weight), torch.empty_like(scale)
+    variants = {
+        "memcpy": lambda: (dst_w.copy_(weight), dst_s.copy_(scale)),
+        "split+cat": lambda: split_cat_reorder(weight, scale),
+        "clone-64MiB": lambda: clone_chunk_reorder(weight, scale),
+    }
+    for cap in caps:
+        label = "inplace" + ("" if cap == DEFAULT_MAX_TRANSIENT_BYTES else
+                             f"-cap{cap // 1024}KiB")  # fmt: skip
+        variants[label] = lambda cap=cap: reorder_w1w3_to_w3w1(
+            weight, scale, max_transient_bytes=cap
+        )
+
+    rows = []
+    for label, fn in variants.items():
+        if label not in ("memcpy", "split+cat"):
+            fn()
+            check(label)
+        # In-place variants are involutions: repeated calls keep swapping,
+        # which costs the same; the data is restored afterwards.
+        t = _median_time(fn, device, repeats)
+        peak = _peak(fn, device)
+        weight.copy_(original[0])
+        scale.copy_(original[1])
+        rows.append({"variant": label, "time_s": t, "peak_transient_bytes": peak})
+    memcpy_t = rows[0]["time_s"]
+    for r in rows:
+        r["effective_GBps"] = 2 * nbytes / r["time_s"] / 1e9
+        r["ratio_to_memcpy"] = r["time_s"] / memcpy_t
+    return {
+        "model": name,
+        "device": str(device),
+        "bytes": nbytes,
+        "weight_shape": list(weight.shape),
+        "scale_shape": list(scale.shape),
+        "rows": rows,
+    }
+
+
+def print_table(result):
+    print(
+        f"\n{result['model']} on {result['device']}: weight {result['weight_shape']}"
+        f" + scale {result['scale_shape']} = {result['bytes'] / MIB:.1f} MiB"
+    )
+    print(
+        f"{'variant':<18}{'median ms':>11}{'GB/s':>8}{'x memcpy':>10}"
+        f"{'peak transient':>17}"
+    )
+    for r in result["rows"]:
+        print(
+            f"{r['variant']:<18}{r['time_s'] * 1e3:>11.2f}{r['effective_GBps']:>8.1f}"
+            f"{r['ratio_to_memcpy']:>10.2f}"
+            f"{r['peak_transient_bytes'] / MIB:>13.2f} MiB"
+        )
+
+
+def main():
+    gated = [n for n, p in MOE_MODEL_PRESETS.items() if p.is_gated]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=gated, choices=gated)
+    parser.add_argument(
+        "--devices", nargs="+", default=None, help="default: cpu, and cuda if present"
+    )
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--caps-kib", nargs="+", type=int, default=[1024, 4096, 16384],
+        help="extra max_transient_bytes values, in KiB, beside the 64 MiB default",
+    )  # fmt: skip
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    devices = args.devices or (
+        ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    )
+    caps = [DEFAULT_MAX_TRANSIENT_BYTES] + [k * 1024 for k in args.caps_kib]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    results = []
+    for dev in devices:
+        for name in args.models:
+            result = bench_model(name, torch.device(dev), args.repeats, caps)
+            print_table(result)
+            results.append(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "results": results}, f, indent=2)
+        print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

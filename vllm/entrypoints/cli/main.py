@@ -1,0 +1,37 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The ``vllm`` command line: ``vllm bench <benchmark> [options]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm.entrypoints.cli.benchmark.main import add_bench_subparser
+
+__all__ = ["main"]
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm",
+        description="vLLM (NVFP4 MoE weight-preparation branch) command line.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    add_bench_subparser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.dispatch(args)
+    except ValueError as e:
+        parser.exit(2, f"vllm: error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
