@@ -1,0 +1,353 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The NVFP4 reference: E2M1 codes, packing, quantization, scale layouts.
+
+NVFP4 stores a tensor ``x`` [..., K] as
+
+* E2M1 codes (4 bits: sign in bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6),
+  two per byte, element 2i in the low nibble: ``packed`` [..., K/2] uint8;
+* one FP8 E4M3 block scale per 16 consecutive elements along K:
+  ``block_scale`` [..., K/16] float8_e4m3fn (linear, row-major layout);
+* one FP32 global scale per tensor (per expert for MoE weights).
+
+Two directions of global scale are in use; every name here says which:
+
+* quantization direction, ``global_scale = 448 * 6 / amax`` (FlashInfer's
+  ``fp4_quantize``, compressed-tensors' ``weight_global_scale``):
+  ``x ~= e2m1 * block_scale / global_scale``;
+* dequantization direction, ``scale_2 = amax / (448 * 6)`` (ModelOpt's
+  ``weight_scale_2`` and ``input_scale``): ``x ~= e2m1 * block_scale * scale_2``.
+
+Block scales are swizzled into the 128x4 layout of the Blackwell block-scaled
+MMA before they reach a kernel; the b12x kernel reads them through an
+"MMA layout" view of those same bytes. Both transforms and their inverses live
+here, in pure torch, so a CPU emulation reads exactly what the kernel reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "FLOAT4_E2M1_MAX",
+    "FLOAT8_E4M3_MAX",
+    "NVFP4_BLOCK_SIZE",
+    "blockscale_mma_layout_view",
+    "dequantize_nvfp4",
+    "e2m1_decode",
+    "e2m1_encode",
+    "global_scale_from_compressed_tensors",
+    "global_scale_from_modelopt",
+    "global_scale_to_compressed_tensors",
+    "global_scale_to_modelopt",
+    "mma_layout_to_linear",
+    "nvfp4_global_scale",
+    "pack_fp4",
+    "quantize_nvfp4",
+    "swizzle_blockscale",
+    "swizzled_blockscale_shape",
+    "unpack_fp4",
+    "unswizzle_blockscale",
+]
+
+#: Largest E2M1 magnitude.
+FLOAT4_E2M1_MAX = 6.0
+#: Largest finite float8_e4m3fn value (448.0).
+FLOAT8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+#: Elements sharing one FP8 block scale, along the last dimension.
+NVFP4_BLOCK_SIZE = 16
+
+#: Value of each E2M1 code 0..15. Bit 3 is the sign: 8..15 are the negatives of
+#: 0..7, and code 8 is -0.0.
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    + [-0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+
+# Midpoints between consecutive E2M1 magnitudes, and whether a value exactly on
+# the midpoint rounds up: ties go to the even code (the one whose mantissa bit,
+# bit 0, is clear), which is the upper neighbour at 0.75, 1.75 and 3.5 and the
+# lower one at 0.25, 1.25, 2.5 and 5.
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
+                   (2.5, False), (3.5, True), (5.0, False))  # fmt: skip
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """Round ``x`` to the nearest E2M1 code, ties to even, saturating at +-6.
+
+    Args:
+        x: any floating tensor (already divided by its scales).
+
+    Returns:
+        uint8 codes 0..15 of ``x``'s shape. The sign bit (bit 3) follows
+        ``x``'s sign bit, so -0.0 and negatives that round to zero give code 8.
+        NaN encodes as code 0 or 8 (NVFP4 has no NaN).
+    """
+    mag = x.abs().float()
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for midpoint, tie_up in _E2M1_MIDPOINTS:
+        code += (mag >= midpoint) if tie_up else (mag > midpoint)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def e2m1_decode(
+    codes: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Value of each E2M1 code (uint8, 0..15, one code per element)."""
+    table = E2M1_VALUES.to(device=codes.device, dtype=dtype)
+    return table[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes [..., K] (K even) into bytes [..., K/2].
+
+    Element 2i goes to the low nibble, 2i+1 to the high nibble: codes
+    [1, 7] (0.5, 6.0) pack to the byte 0x71.
+    """
+    if codes.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"codes must have an even last dimension, got {tuple(codes.shape)}"
+        )
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes [..., K/2] into uint8 codes [..., K]; inverse of pack_fp4."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2)
+
+
+def _per_leading(scale: torch.Tensor | float, like: torch.Tensor) -> torch.Tensor:
+    """Broadcast a global scale (scalar, or one per leading index) against
+    ``like`` [L, ...]: returns float32 of shape [] or [L, 1, ..., 1]."""
+    s = torch.as_tensor(scale, dtype=torch.float32, device=like.device)
+    if s.numel() == 1:
+        return s.reshape(())
+    if s.dim() != 1 or like.dim() < 2 or s.shape[0] != like.shape[0]:
+        raise ValueError(
+            "global scale must be a scalar or have one entry per leading index "
+            f"(shape [{like.shape[0] if like.dim() else 1}]), got shape "
+            f"{tuple(s.shape)} for a tensor of shape {tuple(like.shape)}"
+        )
+    return s.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, global_scale: torch.Tensor | float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` [..., K] to NVFP4.
+
+    Args:
+        x: bfloat16, float16 or float32, K a multiple of 16.
+        global_scale: QUANTIZATION direction (``448 * 6 / amax``, see
+            :func:`nvfp4_global_scale`): a scalar, or one per leading index
+            (per expert for x of shape [E, N, K]).
+
+    Returns:
+        ``(packed, block_scale)``: uint8 [..., K/2] and float8_e4m3fn
+        [..., K/16] in the linear layout, with
+        ``block_scale = fp8(global_scale * amax(block) / 6)`` and codes
+        ``e2m1(x * (global_scale / block_scale))``. A block whose scale is
+        zero (an all-zero block, or one whose scale underflows FP8) encodes
+        as zeros; no NaN is ever produced.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK_SIZE != 0:
+        raise ValueError(
+            f"x's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, got "
+            f"shape {tuple(x.shape)}"
+        )
+    gs = _per_leading(global_scale, x).unsqueeze(-1)
+    if not (torch.isfinite(gs).all() and (gs > 0).all()):
+        raise ValueError(
+            f"global_scale must be finite and positive, got {global_scale}"
+        )
+    blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., K/16, 16]
+    block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., K/16, 1]
+    scale = ((block_amax / FLOAT4_E2M1_MAX) * gs).clamp(max=FLOAT8_E4M3_MAX)
+    scale_fp8 = scale.to(torch.float8_e4m3fn)
+    scale_f32 = scale_fp8.float()
+    safe = torch.where(scale_f32 > 0, scale_f32, torch.ones_like(scale_f32))
+    scaled = torch.where(scale_f32 > 0, blocks * (gs / safe), torch.zeros_like(blocks))
+    codes = e2m1_encode(scaled.flatten(-2))
+    return pack_fp4(codes), scale_fp8.squeeze(-1)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    global_scale: torch.Tensor | float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Decode NVFP4 back to ``dtype`` [..., K].
+
+    Args:
+        packed: uint8 [..., K/2].
+        block_scale: float8_e4m3fn [..., K/16], linear layout.
+        global_scale: QUANTIZATION direction, scalar or one per leading index:
+            the result is ``e2m1 * block_scale / global_scale`` (computed in
+            float32, then cast).
+    """
+    codes = unpack_fp4(packed)
+    k = codes.shape[-1]
+    if block_scale.shape[-1] * NVFP4_BLOCK_SIZE != k:
+        raise ValueError(
+            f"block_scale {tuple(block_scale.shape)} does not match packed "
+            f"{tuple(packed.shape)}: expected last dimension {k // NVFP4_BLOCK_SIZE}"
+        )
+    gs = _per_leading(global_scale, codes).unsqueeze(-1)
+    values = e2m1_decode(codes).unflatten(-1, (-1, NVFP4_BLOCK_SIZE))
+    out = values * block_scale.float().unsqueeze(-1) / gs
+    return out.flatten(-2).to(dtype)
+
+
+def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """QUANTIZATION-direction global scale ``448 * 6 / amax`` (float32).
+
+    ``amax`` is a scalar or one per expert. An all-zero tensor (amax 0) gets
+    1.0, since any scale encodes zeros; the result is always finite.
+    """
+    a = torch.as_tensor(amax, dtype=torch.float32)
+    gs = (FLOAT8_E4M3_MAX * FLOAT4_E2M1_MAX) / a
+    gs = gs.clamp(max=torch.finfo(torch.float32).max)
+    return torch.where(a > 0, gs, torch.ones_like(gs))
+
+
+def global_scale_from_modelopt(scale_2: torch.Tensor) -> torch.Tensor:
+    """ModelOpt ``weight_scale_2`` / ``input_scale`` (DEQUANTIZATION direction,
+    ``amax / (448 * 6)``) -> quantization-direction global scale (1 / x)."""
+    return 1.0 / scale_2.float()
+
+
+def global_scale_to_modelopt(global_scale: torch.Tensor) -> torch.Tensor:
+    """Quantization-direction global scale -> ModelOpt ``weight_scale_2`` /
+    ``input_scale`` (dequantization direction, 1 / x)."""
+    return 1.0 / global_scale.float()
+
+
+def global_scale_from_compressed_tensors(global_scale_ct: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors ``weight_global_scale`` / ``input_global_scale``
+    (stored already in the QUANTIZATION direction, i.e. the inverse of
+    ModelOpt's ``weight_scale_2``) -> quantization-direction global scale."""
+    return global_scale_ct.float().clone()
+
+
+def global_scale_to_compressed_tensors(global_scale: torch.Tensor) -> torch.Tensor:
+    """Quantization-direction global scale -> compressed-tensors'
+    ``weight_global_scale`` (the same direction; float32 copy)."""
+    return global_scale.float().clone()
+
+
+# --- the 128x4 block-scale swizzle --------------------------------------------
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def swizzled_blockscale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Padded (rows, cols) of a swizzled [rows, cols] scale matrix."""
+    return _ceil_to(rows, 128), _ceil_to(cols, 4)
+
+
+def swizzle_blockscale(scale: torch.Tensor) -> torch.Tensor:
+    """Rearrange block scales [R, C] or [E, R, C] into the 128x4 layout.
+
+    Rows are padded with zeros to a multiple of 128 and columns to a multiple
+    of 4; each group is viewed as (R/128, 4, 32, C/4, 4), i.e. row
+    ``r = m_tile * 128 + inner_m * 32 + outer_m`` and column
+    ``c = k_tile * 4 + inner_k``, and stored in the order
+    (m_tile, k_tile, outer_m, inner_m, inner_k): each 128x4 tile becomes 512
+    contiguous bytes, row ``outer_m`` of the tile holding the 16 scales
+    (inner_m, inner_k).
+
+    Returns a new contiguous tensor of shape [Rp, Cp] or [E, Rp, Cp] (the
+    same dtype), whose bytes are the swizzled layout.
+    """
+    if scale.dim() not in (2, 3):
+        raise ValueError(
+            f"scale must be [R, C] or [E, R, C], got shape {tuple(scale.shape)}"
+        )
+    batched = scale if scale.dim() == 3 else scale.unsqueeze(0)
+    e, r, c = batched.shape
+    rp, cp = swizzled_blockscale_shape(r, c)
+    if (rp, cp) != (r, c):
+        padded = batched.new_zeros((e, rp, cp))
+        padded[:, :r, :c] = batched
+    else:
+        padded = batched
+    tiles = padded.view(e, rp // 128, 4, 32, cp // 4, 4)
+    out = tiles.permute(0, 1, 4, 3, 2, 5).contiguous().view(e, rp, cp)
+    return out if scale.dim() == 3 else out.squeeze(0)
+
+
+def unswizzle_blockscale(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`swizzle_blockscale`: [Rp, Cp] or [E, Rp, Cp] in the
+    128x4 layout -> new contiguous [rows, cols] or [E, rows, cols]."""
+    if swizzled.dim() not in (2, 3):
+        raise ValueError(
+            f"swizzled must be [Rp, Cp] or [E, Rp, Cp], got {tuple(swizzled.shape)}"
+        )
+    rp, cp = swizzled_blockscale_shape(rows, cols)
+    batched = swizzled if swizzled.dim() == 3 else swizzled.unsqueeze(0)
+    if tuple(batched.shape[1:]) != (rp, cp):
+        raise ValueError(
+            f"swizzled shape {tuple(swizzled.shape)} does not hold a "
+            f"{rows}x{cols} matrix (expected padded {rp}x{cp})"
+        )
+    e = batched.shape[0]
+    tiles = batched.reshape(e, rp // 128, cp // 4, 32, 4, 4)
+    linear = tiles.permute(0, 1, 4, 3, 2, 5).reshape(e, rp, cp)
+    out = linear[:, :rows, :cols].contiguous()
+    return out if swizzled.dim() == 3 else out.squeeze(0)
+
+
+def blockscale_mma_layout_view(
+    swizzled: torch.Tensor, m: int, k: int, num_groups: int
+) -> torch.Tensor:
+    """The MMA-layout view of swizzled block scales that the b12x kernel takes.
+
+    Args:
+        swizzled: contiguous swizzled scales of ``num_groups`` groups (experts),
+            e.g. [E, Rp, Cp] from :func:`swizzle_blockscale`.
+        m: rows of the weight (unpadded).
+        k: the weight's unpacked K (scale columns = k / 16, unpadded).
+        num_groups: E.
+
+    Returns:
+        A view (no copy) of logical shape (32, 4, m_tiles, 4, k_tiles, E),
+        indexed (outer_m, inner_m, m_tile, inner_k, k_tile, group), over the
+        storage (E, m_tiles, k_tiles, 32, 4, 4): the bytes of the 128x4
+        swizzle. The scale of row ``r``, scale column ``c`` of group ``g`` is
+        at ``[r % 32, (r % 128) // 32, r // 128, c % 4, c // 4, g]``.
+    """
+    if not swizzled.is_contiguous():
+        raise ValueError("swizzled must be contiguous to be viewed in MMA layout")
+    m_tiles = _ceil_to(m, 128) // 128
+    k_tiles = _ceil_to(k // NVFP4_BLOCK_SIZE, 4) // 4
+    expected = num_groups * m_tiles * k_tiles * 512
+    if swizzled.numel() != expected:
+        raise ValueError(
+            f"swizzled has {swizzled.numel()} elements; {num_groups} groups of a "
+            f"{m}x{k // NVFP4_BLOCK_SIZE} scale matrix need {expected}"
+        )
+    storage = swizzled.view(num_groups, m_tiles, k_tiles, 32, 4, 4)
+    return storage.permute(3, 4, 1, 5, 2, 0)
+
+
+def mma_layout_to_linear(mma: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """Read an MMA-layout view back into linear block scales [E, m, k/16].
+
+    Gathers every scale from the position the kernel reads it from (see
+    :func:`blockscale_mma_layout_view`); returns a new contiguous tensor.
+    """
+    cols = k // NVFP4_BLOCK_SIZE
+    r = torch.arange(m, device=mma.device).view(m, 1)
+    c = torch.arange(cols, device=mma.device).view(1, cols)
+    # [m, cols, E]
+    linear = mma[r % 32, (r % 128) // 32, r // 128, c % 4, c // 4, :]
+    return linear.permute(2, 0, 1).contiguous()
