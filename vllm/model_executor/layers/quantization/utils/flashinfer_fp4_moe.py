@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import torch
 
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    FLOAT8_E4M3_MAX,
+    swizzled_blockscale_shape,
+)
+
 __all__ = [
     "DEFAULT_MAX_TRANSIENT_BYTES",
+    "fold_global_scale_into_blockscale_",
     "reorder_w1w3_to_w3w1",
+    "swizzle_blockscale_bounded",
 ]
 
 #: Default cap on the memory one preparation call may allocate (64 MiB).
@@ -230,3 +237,173 @@ def reorder_w1w3_to_w3w1(
         for halves in targets:
             _swap_halves_(halves, buf)
     return weight, scale
+
+
+def _check_cap(max_transient_bytes: object) -> int:
+    if isinstance(max_transient_bytes, bool) or not isinstance(
+        max_transient_bytes, int
+    ):
+        raise TypeError(
+            "max_transient_bytes must be an int, got "
+            f"{type(max_transient_bytes).__name__}"
+        )
+    if max_transient_bytes <= 0:
+        raise ValueError(
+            f"max_transient_bytes must be positive, got {max_transient_bytes}"
+        )
+    return max_transient_bytes
+
+
+def _check_blockscale(name: str, scale: object) -> torch.Tensor:
+    _check_tensor(name, scale)
+    if scale.dtype != torch.float8_e4m3fn or scale.dim() != 3:
+        raise ValueError(
+            f"{name} must be a float8_e4m3fn [E, R, C] tensor, got "
+            f"{scale.dtype} of shape {tuple(scale.shape)}"
+        )
+    return scale
+
+
+def fold_global_scale_into_blockscale_(
+    scale: torch.Tensor,
+    scale_2: torch.Tensor,
+    *,
+    max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+) -> torch.Tensor:
+    """Multiply FP8 block scales by their per-expert global scale, in place.
+
+    Args:
+        scale: float8_e4m3fn [E, R, C] block scales, linear layout, contiguous.
+        scale_2: float32 global scales in the DEQUANTIZATION direction
+            (ModelOpt ``weight_scale_2``): [E] for one per expert, or [E, G]
+            for G equal row groups per expert (G = 2 for ``w13`` with separate
+            w1 and w3 scales: rows [0, R/2) use ``scale_2[:, 0]``, rows
+            [R/2, R) use ``scale_2[:, 1]``).
+        max_transient_bytes: cap on what the call allocates (>= 4).
+
+    Returns ``scale`` itself, each element replaced by
+    ``fp8(clamp(float(scale) * scale_2, -448, 448))`` (round to nearest
+    even); afterwards the global scale of every expert is 1. The float32
+    work is done through one reused buffer of at most ``max_transient_bytes``
+    (never the 4x-size float32 copy of the whole tensor). ``scale_2`` is not
+    modified.
+    """
+    _check_blockscale("scale", scale)
+    cap = _check_cap(max_transient_bytes)
+    if not isinstance(scale_2, torch.Tensor):
+        raise TypeError(f"scale_2 must be a torch.Tensor, got {type(scale_2).__name__}")
+    e, r, c = scale.shape
+    groups = 1 if scale_2.dim() == 1 else scale_2.shape[-1]
+    if scale_2.dim() not in (1, 2) or scale_2.shape[0] != e or r % groups != 0:
+        raise ValueError(
+            f"scale_2 must be [E] or [E, G] with E = {e} and G dividing the "
+            f"{r} rows of scale, got shape {tuple(scale_2.shape)}"
+        )
+    if scale_2.device != scale.device:
+        raise ValueError(
+            f"scale_2 is on {scale_2.device} but scale is on {scale.device}"
+        )
+    if cap < 4:
+        raise ValueError(
+            f"max_transient_bytes must be at least 4 (one float32), got {cap}"
+        )
+    if scale.numel() == 0:
+        return scale
+    factors = scale_2.reshape(e, groups).float()  # [E, G] (a view when float32)
+    segments = scale.view(e, groups, (r // groups) * c)  # [E, G, L]
+    seg_len = segments.shape[2]
+    n = min(cap // 4, _tile_bytes(scale.device) // 4, scale.numel())
+    with torch.no_grad():
+        buf = torch.empty(n, dtype=torch.float32, device=scale.device)
+        if groups * seg_len <= n:
+            per = n // (groups * seg_len)
+            for start in range(0, e, per):
+                k = min(per, e - start)
+                tmp = buf[: k * groups * seg_len].view(k, groups, seg_len)
+                tmp.copy_(segments[start : start + k])
+                tmp.mul_(factors[start : start + k].unsqueeze(-1))
+                tmp.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+                segments[start : start + k].copy_(tmp)
+        else:
+            for i in range(e):
+                for g in range(groups):
+                    f = factors[i, g]
+                    for start in range(0, seg_len, n):
+                        k = min(n, seg_len - start)
+                        tmp = buf[:k]
+                        tmp.copy_(segments[i, g, start : start + k])
+                        tmp.mul_(f)
+                        tmp.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+                        segments[i, g, start : start + k].copy_(tmp)
+    return scale
+
+
+def swizzle_blockscale_bounded(
+    scale: torch.Tensor,
+    *,
+    max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+) -> torch.Tensor:
+    """Swizzle block scales [E, R, C] into the 128x4 layout with bounded memory.
+
+    Produces the same bytes as
+    :func:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils.swizzle_blockscale`.
+
+    * R % 128 == 0 and C % 4 == 0 (no padding): in place. In the 128x4 layout
+      each group of 128 rows maps onto exactly the bytes it occupied in the
+      linear layout, so groups are rearranged a few at a time through one
+      reused buffer; ``scale`` itself is returned, shape unchanged.
+    * Otherwise: the padded result [E, Rp, Cp] is allocated once (it replaces
+      ``scale``: the caller drops the source afterwards) and filled one group
+      of 128 rows at a time from the source through the buffer, padding with
+      zeros. The result is returned; ``scale`` is left unchanged.
+
+    Apart from a padded result, at most ``max_transient_bytes`` is
+    allocated; the in-place path needs at least one group of 128 rows
+    (128 * C bytes) to fit, and raises ValueError otherwise.
+    """
+    _check_blockscale("scale", scale)
+    cap = _check_cap(max_transient_bytes)
+    e, r, c = scale.shape
+    rp, cp = swizzled_blockscale_shape(r, c)
+    group_bytes = 128 * cp
+    if cap < group_bytes:
+        raise ValueError(
+            f"max_transient_bytes={cap} is below one group of 128 rows of "
+            f"block scales ({group_bytes} bytes for {cp} scale columns), the "
+            "least the swizzle can move at a time"
+        )
+    if scale.numel() == 0:
+        return scale
+    per = max(1, min(cap, _tile_bytes(scale.device)) // group_bytes)
+    src = scale.view(torch.uint8)
+    with torch.no_grad():
+        if (rp, cp) == (r, c):
+            groups = e * r // 128
+            per = min(per, groups)
+            buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
+            tiles = src.view(
+                groups, 4, 32, c // 4, 4
+            )  # (inner_m, outer_m, k_t, inner_k)
+            flat = src.view(groups, group_bytes)
+            for start in range(0, groups, per):
+                k = min(per, groups - start)
+                tmp = buf[: k * group_bytes].view(k, c // 4, 32, 4, 4)
+                tmp.copy_(tiles[start : start + k].permute(0, 3, 2, 1, 4))
+                flat[start : start + k].copy_(tmp.view(k, group_bytes))
+            return scale
+        out = torch.empty((e, rp, cp), dtype=torch.uint8, device=scale.device)
+        groups_per_expert = rp // 128
+        per = min(per, groups_per_expert)
+        buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
+        out_groups = out.view(e, groups_per_expert, group_bytes)
+        for i in range(e):
+            for start in range(0, groups_per_expert, per):
+                k = min(per, groups_per_expert - start)
+                rows = min(r, (start + k) * 128) - start * 128
+                pad = buf[: k * group_bytes].view(k * 128, cp)
+                pad.zero_()
+                if rows > 0:
+                    pad[:rows, :c].copy_(src[i, start * 128 : start * 128 + rows])
+                swz = pad.view(k, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
+                out_groups[i, start : start + k].view(k, cp // 4, 32, 4, 4).copy_(swz)
+        return out.view(torch.float8_e4m3fn)

@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""FlashInfer b12x NVFP4 MoE: the kernel (SM12x only) and its CPU emulation.
+
+Every case runs on both backends: ``flashinfer_b12x`` is skipped, with the
+reason, where the kernel cannot run (no SM120/121 GPU here); the emulation,
+which shares every line of the weight preparation, runs everywhere.
+"""
+
+import pytest
+import torch
+
+from tests.kernels.moe.utils import (
+    bf16_experts,
+    dequantized_experts,
+    load_nvfp4_experts,
+    make_nvfp4_layer,
+    quantize_experts_modelopt,
+    rel_rms_error,
+)
+from vllm.model_executor.layers.fused_moe import (
+    FusedMoEQuantConfig,
+    MoEActivation,
+    fused_experts,
+    fused_moe,
+    fused_topk,
+)
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.experts import (
+    FlashInferB12xEmulatedExperts,
+    FlashInferB12xExperts,
+    is_flashinfer_b12x_moe_available,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    unswizzle_blockscale,
+)
+
+_B12X = is_flashinfer_b12x_moe_available()
+BACKENDS = [
+    pytest.param(
+        "flashinfer_b12x",
+        marks=pytest.mark.skipif(not _B12X, reason=f"b12x kernel: {_B12X.reason}"),
+    ),
+    "flashinfer_b12x_emulated",
+]
+
+# (m tokens, n = intermediate size I, k = hidden size H)
+MNK = [(2, 128, 256), (2, 256, 512), (16, 128, 256), (64, 256, 512)]
+NUM_EXPERTS = [8, 16]
+TOP_KS = [1, 2, 4]
+
+# Tolerances, as relative RMS error ||out - ref|| / ||ref|| of the [m, k]
+# output (derivations below; measured ranges over these cases in brackets).
+#
+# W4A4 vs the BF16 MoE on the UNQUANTIZED weights. One NVFP4 quantization of
+# Gaussian-like data has an SQNR of ~19.6 dB (derived in
+# test_nvfp4_utils.test_sqnr_floor_on_random_data), a relative RMS error
+# e ~ 0.105. FC1 multiplies two quantized operands (x, w1): sqrt(2) e ~ 0.15;
+# the gated product carries the errors of gate and up: ~sqrt(2) * 0.15 ~ 0.21;
+# FC2 adds the intermediate's and w2's quantization: sqrt(0.21^2 + 2 e^2)
+# ~ 0.25, plus the FP8 re-rounding of the folded block scales (below, ~0.05):
+# ~0.26. Tolerance 0.35 [0.20, 0.28].
+W4A4_TOL = 0.35
+# Weights-only emulation vs the BF16 MoE on the DEQUANTIZED checkpoint
+# weights. The only difference left is the fold: each FP8 block scale times
+# its float32 global scale is rounded to FP8 again, a relative error uniform
+# in +-2^-4 (3 mantissa bits) in the normal range, RMS 2^-4 / sqrt(3) ~ 0.036
+# per weight, ~0.05 through two GEMMs, more where folded scales are
+# subnormal. Tolerance 0.10 [0.04, 0.07].
+WEIGHTS_ONLY_TOL = 0.10
+# Negative controls (gate and up swapped) must miss the tolerance by these
+# factors. Swapping turns silu(gate) * up into silu(up) * gate: for unit-
+# variance pre-activations the outputs differ by 0.58-0.99 relative RMS here:
+# 1.7-2.8x the W4A4 tolerance (the W4A4 error itself is a quarter of the
+# signal), and 5.8-9.9x the weights-only tolerance, the tight check.
+W4A4_CONTROL_MARGIN = 1.5
+WEIGHTS_ONLY_CONTROL_MARGIN = 5.0
+
+
+def _swap_gate_up(w1: torch.Tensor) -> torch.Tensor:
+    """[gate; up] -> [up; gate] on a new tensor (test-side, by slicing)."""
+    n = w1.shape[1] // 2
+    return torch.cat([w1[:, n:], w1[:, :n]], dim=1)
+
+
+def fold_reference(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Test-side whole-tensor fold: fp8(float(scale) * scale_2 of its half)."""
+    e, r, c = scale.shape
+    groups = scale_2.reshape(e, -1).shape[1]
+    f = scale.float().view(e, groups, r // groups, c) * scale_2.view(e, groups, 1, 1)
+    return f.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(e, r, c)
+
+
+def _prepared_layer(tensors, e, topk, k, n, gated, backend, **kwargs):
+    layer = make_nvfp4_layer(e, topk, k, n, gated, backend, **kwargs)
+    load_nvfp4_experts(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topk", TOP_KS)
+@pytest.mark.parametrize("e", NUM_EXPERTS)
+@pytest.mark.parametrize("m,n,k", MNK, ids=lambda v: str(v))
+def test_flashinfer_b12x_moe(m, n, k, e, topk, backend):
+    torch.manual_seed(7)
+    device = "cuda" if backend == "flashinfer_b12x" else "cpu"
+    w1, w2 = bf16_experts(e, n, k, gated=True, seed=m * 1000 + e * 10 + topk)
+    x = torch.randn(m, k).bfloat16()  # unit variance, not damped
+    logits = torch.randn(m, e)
+
+    # What the kernel must end up holding: the production reorder applied to a
+    # CLONE of the BF16 [gate; up] weights, then quantized. The original must
+    # be untouched: the reference below uses it again.
+    w1_before = w1.clone()
+    w3w1 = w1.clone()
+    reorder_w1w3_to_w3w1(w3w1, torch.zeros(e, 2 * n, 1), dim=-2)
+    assert torch.equal(w1, w1_before)
+    assert torch.equal(w3w1, _swap_gate_up(w1))
+    expected = quantize_experts_modelopt(_swap_gate_up(w1), w2, gated=True)
+
+    tensors = quantize_experts_modelopt(w1, w2, gated=True)
+    layer = _prepared_layer(tensors, e, topk, k, n, True, backend)
+    experts = layer.quant_method.experts
+    fc2 = experts._fc2_input_scale
+    assert fc2 is not None
+    assert fc2.shape == (e,) and fc2.dtype == torch.float32
+    assert fc2.device == layer.w13_weight.device
+
+    # The prepared layout, byte for byte: [w3; w1] codes, and swizzled scales
+    # that unswizzle to the expected order with the global scales folded in.
+    assert torch.equal(layer.w13_weight.cpu(), expected["w13_weight"])
+    assert torch.equal(layer.w2_weight.cpu(), expected["w2_weight"])
+    for name, rows, cols in (("w13", 2 * n, k // 16), ("w2", k, n // 16)):
+        got = unswizzle_blockscale(
+            getattr(layer, f"{name}_weight_scale").cpu(), rows, cols
+        )
+        want = fold_reference(
+            expected[f"{name}_weight_scale"], expected[f"{name}_weight_scale_2"]
+        )
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+    out = layer(x.to(device), logits.to(device)).cpu()
+    assert out.shape == (m, k) and out.dtype == torch.bfloat16
+
+    ref = fused_moe(x, w1, w2, logits, topk, renormalize=True)
+    ref_swapped = fused_moe(x, _swap_gate_up(w1), w2, logits, topk, renormalize=True)
+    err = rel_rms_error(out, ref)
+    assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
+    control = rel_rms_error(out, ref_swapped)
+    assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"gate/up swapped: {control:.3f}"
+
+    if backend == "flashinfer_b12x_emulated":
+        # Weights-only: a tight comparison with the dequantized weights.
+        wo = _prepared_layer(tensors, e, topk, k, n, True, backend, weights_only=True)
+        out_wo = wo(x, logits)
+        dw1, dw2 = dequantized_experts(tensors, gated=True)
+        ref_q = fused_moe(x, dw1, dw2, logits, topk, renormalize=True)
+        ref_q_swapped = fused_moe(x, _swap_gate_up(dw1), dw2, logits, topk, True)
+        err = rel_rms_error(out_wo, ref_q)
+        assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
+        control = rel_rms_error(out_wo, ref_q_swapped)
+        assert control > WEIGHTS_ONLY_CONTROL_MARGIN * WEIGHTS_ONLY_TOL, control
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m,n,k", MNK[:2], ids=lambda v: str(v))
+def test_flashinfer_b12x_moe_relu2(m, n, k, backend):
+    # Non-gated experts: w1 is [e, n, k], nothing to reorder.
+    e, topk = 8, 2
+    device = "cuda" if backend == "flashinfer_b12x" else "cpu"
+    w1, w2 = bf16_experts(e, n, k, gated=False, seed=11)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).bfloat16()
+    logits = torch.randn(m, e, generator=torch.Generator().manual_seed(13))
+    tensors = quantize_experts_modelopt(w1, w2, gated=False)
+    layer = _prepared_layer(tensors, e, topk, k, n, False, backend)
+    assert layer.activation is MoEActivation.RELU2_NO_MUL
+    assert torch.equal(layer.w13_weight.cpu(), tensors["w13_weight"])
+    out = layer(x.to(device), logits.to(device)).cpu()
+    ref = fused_moe(
+        x, w1, w2, logits, topk, True, activation=MoEActivation.RELU2_NO_MUL
+    )
+    assert rel_rms_error(out, ref) < W4A4_TOL
+    # Control: had the preparation swapped the halves of the I rows (a reorder
+    # applied to non-gated experts), FC1's channels would no longer match w2's.
+    wrong = fused_moe(x, _swap_gate_up(w1), w2, logits, topk, True, "relu2")
+    assert rel_rms_error(out, wrong) > W4A4_CONTROL_MARGIN * W4A4_TOL
+    if backend == "flashinfer_b12x_emulated":
+        wo = _prepared_layer(tensors, e, topk, k, n, False, backend, weights_only=True)
+        dw1, dw2 = dequantized_experts(tensors, gated=False)
+        ref_q = fused_moe(x, dw1, dw2, logits, topk, True, "relu2")
+        assert rel_rms_error(wo(x, logits), ref_q) < WEIGHTS_ONLY_TOL
+
+
+def test_apply_refuses_before_fc2_input_scale_is_set():
+    moe = FusedMoEConfig(8, 2, 256, 128, MoEActivation.SILU)
+    experts = FlashInferB12xEmulatedExperts(moe, FusedMoEQuantConfig())
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="_fc2_input_scale is unset"):
+        experts.apply(x, None, None, torch.ones(2, 2), ids)
+    kernel_experts = FlashInferB12xExperts(moe, FusedMoEQuantConfig())
+    with pytest.raises(RuntimeError, match="_fc2_input_scale is unset"):
+        kernel_experts.apply(x, None, None, torch.ones(2, 2), ids)
+
+
+def test_layer_refuses_before_preparation():
+    layer = make_nvfp4_layer(8, 2, 256, 128, True, "flashinfer_b12x_emulated")
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        layer(torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(2, 8))
+
+
+@pytest.mark.skipif(bool(_B12X), reason="the b12x kernel can run here")
+def test_kernel_backend_names_its_requirement():
+    with pytest.raises(ValueError, match="flashinfer_b12x.*cannot run here"):
+        make_nvfp4_layer(8, 2, 256, 128, True, "flashinfer_b12x")
+    assert not is_flashinfer_b12x_moe_available()
+    assert _B12X.reason
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="unknown NVFP4 MoE backend"):
+        make_nvfp4_layer(8, 2, 256, 128, True, "triton")
+
+
+# --- routing, activations and the reference ------------------------------------
+
+
+def test_fused_topk():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 1.0]])
+    x = torch.zeros(2, 8)
+    weights, ids = fused_topk(x, logits, 2, renormalize=False)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ids.tolist() == [[1, 2], [2, 3]]
+    probs = torch.softmax(logits, dim=-1)
+    torch.testing.assert_close(weights[0], probs[0, [1, 2]])
+    weights, _ = fused_topk(x, logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+    torch.testing.assert_close(weights[0, 0] / weights[0, 1], torch.e * torch.ones(()))
+    with pytest.raises(ValueError, match="topk must be in"):
+        fused_topk(x, logits, 5, True)
+    with pytest.raises(ValueError, match="gating_output must be"):
+        fused_topk(x, logits[:1], 2, True)
+
+
+def test_activations():
+    gate = torch.tensor([[-2.0, 0.0, 1.0]])
+    up = torch.tensor([[10.0, 20.0, 30.0]])
+    out = MoEActivation.SILU.apply(torch.cat([gate, up], dim=-1))
+    torch.testing.assert_close(out, gate * torch.sigmoid(gate) * up)
+    # Control: the wrong order gives a different answer.
+    assert not torch.allclose(out, up * torch.sigmoid(up) * gate)
+    x = torch.tensor([-3.0, -0.5, 0.0, 0.5, 3.0])
+    assert MoEActivation.RELU2_NO_MUL.apply(x).tolist() == [0, 0, 0, 0.25, 9.0]
+    assert MoEActivation.from_str("relu2") is MoEActivation.RELU2_NO_MUL
+    assert MoEActivation.SILU.fc1_rows(64) == 128
+    assert MoEActivation.RELU2_NO_MUL.fc1_rows(64) == 64
+    with pytest.raises(ValueError, match="unknown MoE activation"):
+        MoEActivation.from_str("gelu")
+
+
+@pytest.mark.parametrize("activation", list(MoEActivation), ids=lambda a: a.value)
+def test_reference_matches_naive_per_token_loop(activation):
+    gen = torch.Generator().manual_seed(21)
+    t, e, h, i, k = 5, 4, 32, 16, 2
+    gated = activation.is_gated
+    w1 = torch.randn(e, 2 * i if gated else i, h, generator=gen).bfloat16()
+    w2 = torch.randn(e, h, i, generator=gen).bfloat16()
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    weights, ids = fused_topk(x, torch.randn(t, e, generator=gen), k, True)
+    out = fused_experts(x, w1, w2, weights, ids, activation)
+    for tok in range(t):
+        acc = torch.zeros(h)
+        for slot in range(k):
+            ex = ids[tok, slot].item()
+            hmid = w1[ex].float() @ x[tok].float()
+            if gated:
+                hmid = torch.nn.functional.silu(hmid[:i]) * hmid[i:]
+            else:
+                hmid = torch.relu(hmid) ** 2
+            hmid = hmid.bfloat16().float()
+            acc += weights[tok, slot] * (w2[ex].float() @ hmid)
+        torch.testing.assert_close(out[tok], acc.bfloat16(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_reference_rejects_inconsistent_shapes():
+    w1 = torch.zeros(4, 10, 32)
+    w2 = torch.zeros(4, 32, 8)
+    with pytest.raises(ValueError, match="needs 16"):
+        fused_experts(torch.zeros(2, 32), w1, w2, torch.ones(2, 1),
+                      torch.zeros(2, 1, dtype=torch.int32))  # fmt: skip

@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Helpers for the MoE tests: BF16 experts, their NVFP4 ModelOpt tensors, layers."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    dequantize_nvfp4,
+    global_scale_to_modelopt,
+    nvfp4_global_scale,
+    quantize_nvfp4,
+)
+
+__all__ = [
+    "bf16_experts",
+    "dequantized_experts",
+    "load_nvfp4_experts",
+    "make_nvfp4_layer",
+    "quantize_experts_modelopt",
+    "rel_rms_error",
+]
+
+
+def bf16_experts(e: int, n: int, k: int, gated: bool, seed: int):
+    """Random BF16 experts: w1 [e, 2n or n, k] ([gate; up]), w2 [e, k, n].
+
+    Scaled so FC1 outputs and FC2 outputs have unit variance for unit-variance
+    inputs: SiLU works in its non-linear range, nothing is damped.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * n if gated else n
+    w1 = torch.randn(e, rows, k, generator=gen) / k**0.5
+    w2 = torch.randn(e, k, n, generator=gen) / n**0.5
+    return w1.bfloat16(), w2.bfloat16()
+
+
+def _quantize_rows(w: torch.Tensor, groups: int):
+    """Quantize [E, R, K] with one global scale per expert per row group."""
+    e, r, _ = w.shape
+    parts = w.view(e, groups, r // groups, -1)
+    amax = parts.float().abs().amax(dim=(2, 3))  # [E, G]
+    gs = nvfp4_global_scale(amax)  # [E, G], quantization direction
+    packed, scale = [], []
+    for g in range(groups):
+        p, s = quantize_nvfp4(parts[:, g], gs[:, g])
+        packed.append(p)
+        scale.append(s)
+    return torch.cat(packed, dim=1), torch.cat(scale, dim=1), gs
+
+
+def quantize_experts_modelopt(w1: torch.Tensor, w2: torch.Tensor, gated: bool):
+    """ModelOpt NVFP4 tensors of BF16 experts (w1 in [gate; up] order).
+
+    Gated w1 gets separate global scales for its gate and up halves.
+    Returns a dict keyed by the FusedMoE parameter names.
+    """
+    p13, s13, gs13 = _quantize_rows(w1, 2 if gated else 1)
+    p2, s2, gs2 = _quantize_rows(w2, 1)
+    e = w1.shape[0]
+    return {
+        "w13_weight": p13,
+        "w13_weight_scale": s13,
+        "w13_weight_scale_2": global_scale_to_modelopt(gs13),  # [E, G]
+        "w13_input_scale": torch.ones_like(gs13),
+        "w2_weight": p2,
+        "w2_weight_scale": s2,
+        "w2_weight_scale_2": global_scale_to_modelopt(gs2).reshape(e),
+        "w2_input_scale": torch.ones(e),
+    }
+
+
+def dequantized_experts(
+    tensors: dict, gated: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 w1, w2 decoded from ModelOpt tensors (checkpoint layout)."""
+
+    def deq(p, s, scale_2, groups):
+        e, r = p.shape[:2]
+        gs = 1.0 / scale_2.reshape(e, groups)
+        parts = [
+            dequantize_nvfp4(
+                p.view(e, groups, r // groups, -1)[:, g],
+                s.view(e, groups, r // groups, -1)[:, g],
+                gs[:, g],
+            )
+            for g in range(groups)
+        ]
+        return torch.cat(parts, dim=1).bfloat16()
+
+    w1 = deq(tensors["w13_weight"], tensors["w13_weight_scale"],
+             tensors["w13_weight_scale_2"], 2 if gated else 1)  # fmt: skip
+    w2 = deq(tensors["w2_weight"], tensors["w2_weight_scale"],
+             tensors["w2_weight_scale_2"], 1)  # fmt: skip
+    return w1, w2
+
+
+def make_nvfp4_layer(e, topk, k, n, gated, backend, **experts_kwargs) -> FusedMoE:
+    return FusedMoE(
+        num_experts=e,
+        top_k=topk,
+        hidden_size=k,
+        intermediate_size=n,
+        activation="silu" if gated else "relu2",
+        quant_config=ModelOptNvFp4Config(),
+        moe_backend=backend,
+        params_dtype=torch.bfloat16,
+        device="cpu",
+        experts_kwargs=experts_kwargs,
+    )
+
+
+def load_nvfp4_experts(layer: FusedMoE, tensors: dict) -> None:
+    """Copy ModelOpt tensors into the layer's parameters (checkpoint layout)."""
+    with torch.no_grad():
+        for name, value in tensors.items():
+            param = getattr(layer, name)
+            param.copy_(value.reshape(param.shape).to(param.device))
+
+
+def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over all elements, in float32."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm()).item()

@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""ModelOpt NVFP4 quantization for fused MoE layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+)
+from vllm.model_executor.layers.fused_moe.experts import get_nvfp4_experts_class
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEKernel,
+    MoEPrepareAndFinalizeNoEP,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    NVFP4_BLOCK_SIZE,
+)
+
+__all__ = ["ModelOptNvFp4Config", "ModelOptNvFp4FusedMoE"]
+
+
+class ModelOptNvFp4Config:
+    """NVFP4 checkpoints produced by NVIDIA ModelOpt (``quant_algo: NVFP4``).
+
+    Weights are packed E2M1 with FP8 block scales over 16 elements and a
+    float32 ``weight_scale_2`` (dequantization direction) per tensor; for
+    MoE layers, per expert and per projection.
+    """
+
+    def __init__(
+        self,
+        group_size: int = NVFP4_BLOCK_SIZE,
+        exclude_modules: list[str] | None = None,
+    ):
+        if group_size != NVFP4_BLOCK_SIZE:
+            raise ValueError(f"NVFP4 group_size must be 16, got {group_size}")
+        self.group_size = group_size
+        self.exclude_modules = list(exclude_modules or [])
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "modelopt_fp4"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelOptNvFp4Config:
+        """From ``hf_quant_config.json`` (``{"quantization": {...}}``) or a
+        ``config.json`` ``quantization_config`` dict."""
+        quant = config.get("quantization", config)
+        algo = str(quant.get("quant_algo", "")).upper()
+        if algo != "NVFP4":
+            raise ValueError(
+                f"ModelOpt quant_algo {quant.get('quant_algo')!r} is not NVFP4"
+            )
+        return cls(
+            group_size=int(quant.get("group_size", NVFP4_BLOCK_SIZE)),
+            exclude_modules=quant.get("exclude_modules"),
+        )
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str = ""):
+        from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+
+        if isinstance(layer, FusedMoE):
+            return ModelOptNvFp4FusedMoE(self, layer.moe_config, layer.moe_backend,
+                                         **layer.experts_kwargs)  # fmt: skip
+        return None
+
+
+class ModelOptNvFp4FusedMoE:
+    """Creates a MoE layer's NVFP4 parameters and runs them through the
+    selected experts implementation.
+
+    Parameters (checkpoint layout; rows = 2I gated, I otherwise):
+
+    ==================== ================= ================
+    name                 shape             dtype
+    ==================== ================= ================
+    w13_weight           [E, rows, H/2]    uint8 (2 x E2M1)
+    w13_weight_scale     [E, rows, H/16]   float8_e4m3fn
+    w13_weight_scale_2   [E, 2] or [E, 1]  float32
+    w13_input_scale      [E, 2] or [E, 1]  float32
+    w2_weight            [E, H, I/2]       uint8
+    w2_weight_scale      [E, H, I/16]      float8_e4m3fn
+    w2_weight_scale_2    [E]               float32
+    w2_input_scale       [E]               float32
+    ==================== ================= ================
+    """
+
+    def __init__(
+        self,
+        quant_config: ModelOptNvFp4Config,
+        moe: FusedMoEConfig,
+        backend: str,
+        **experts_kwargs: Any,
+    ):
+        self.quant_config = quant_config
+        self.moe = moe
+        self.experts_cls = get_nvfp4_experts_class(backend)
+        self.experts_kwargs = experts_kwargs
+        self.experts = None
+        self.kernel: FusedMoEKernel | None = None
+
+    def create_weights(self, layer: torch.nn.Module, device: torch.device) -> None:
+        moe = self.moe
+        e, h = moe.num_experts, moe.hidden_dim
+        i, rows = moe.intermediate_size_per_partition, moe.w13_rows
+        shards = 2 if moe.is_act_and_mul else 1
+        for dim, what in ((h, "hidden_size"), (i, "intermediate_size per partition")):
+            if dim % NVFP4_BLOCK_SIZE != 0:
+                raise ValueError(
+                    f"NVFP4 MoE needs {what} to be a multiple of "
+                    f"{NVFP4_BLOCK_SIZE}, got {dim}"
+                )
+        specs = {
+            "w13_weight": ((e, rows, h // 2), torch.uint8),
+            "w13_weight_scale": ((e, rows, h // 16), torch.float8_e4m3fn),
+            "w13_weight_scale_2": ((e, shards), torch.float32),
+            "w13_input_scale": ((e, shards), torch.float32),
+            "w2_weight": ((e, h, i // 2), torch.uint8),
+            "w2_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
+            "w2_weight_scale_2": ((e,), torch.float32),
+            "w2_input_scale": ((e,), torch.float32),
+        }
+        for name, (shape, dtype) in specs.items():
+            param = torch.nn.Parameter(
+                torch.zeros(shape, dtype=dtype, device=device), requires_grad=False
+            )
+            layer.register_parameter(name, param)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.experts = self.experts_cls(
+            self.moe, FusedMoEQuantConfig(quant_dtype="nvfp4"), **self.experts_kwargs
+        )
+        self.experts.process_weights_after_loading(layer)
+        self.kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), self.experts)
+
+    def apply(
+        self,
+        layer: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError(
+                "FusedMoE layer used before quant_method."
+                "process_weights_after_loading(layer) prepared its weights"
+            )
+        return self.kernel(
+            hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
+        )
