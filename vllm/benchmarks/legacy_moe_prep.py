@@ -8,9 +8,22 @@ bounded preparation against it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["clone_chunk_reorder", "split_cat_reorder"]
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
+    swizzled_blockscale_shape,
+)
+
+__all__ = [
+    "clone_chunk_reorder",
+    "legacy_fold",
+    "legacy_preparation_steps",
+    "legacy_swizzle",
+    "split_cat_reorder",
+]
 
 
 def split_cat_reorder(
@@ -58,3 +71,56 @@ def clone_chunk_reorder(
             b.copy_(tmp)
             del tmp  # at most one chunk alive: the 64 MiB bound it promised
     return weight, scale
+
+
+def legacy_swizzle(scale: torch.Tensor) -> torch.Tensor:
+    """Pre-change swizzle of [E, R, C] scales: an explicit zero-padded copy of
+    the whole tensor, then a permuted contiguous copy (2x the scale's size
+    alive beside the original)."""
+    e, r, c = scale.shape
+    rp, cp = swizzled_blockscale_shape(r, c)
+    padded = torch.zeros((e, rp, cp), dtype=torch.uint8, device=scale.device)
+    padded[:, :r, :c] = scale.view(torch.uint8)
+    return swizzle_blockscale(padded).view(torch.float8_e4m3fn)
+
+
+def legacy_fold(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Pre-change fold on the whole (swizzled) tensor:
+    ``(scale.float() * scale_2) -> fp8`` with one global scale per expert
+    (for w13, w1's: a different w3 scale was dropped with a warning).
+    Float32 temporaries of 4x the scale's size, twice."""
+    e = scale.shape[0]
+    per_expert = scale_2.reshape(e, -1)[:, 0].view(e, 1, 1)
+    folded = scale.float() * per_expert
+    return folded.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def legacy_preparation_steps(
+    tensors: dict[str, torch.Tensor], gated: bool
+) -> list[tuple[str, Callable[[], None]]]:
+    """The pre-change b12x preparation as named steps over ``tensors`` (the
+    layer's parameters by name), each replacing the entries it rewrites, so
+    old tensors are freed as in a layer whose parameters are replaced:
+    ``reorder`` (split + cat), ``swizzle`` (padded + permuted copies),
+    ``fold`` (float32 whole-tensor products)."""
+
+    def reorder() -> None:
+        if gated:
+            w, s = split_cat_reorder(tensors["w13_weight"], tensors["w13_weight_scale"])
+            tensors["w13_weight"], tensors["w13_weight_scale"] = w, s
+            del w, s
+
+    def swizzle() -> None:
+        for name in ("w13_weight_scale", "w2_weight_scale"):
+            tensors[name] = legacy_swizzle(tensors[name])
+
+    def fold() -> None:
+        for name in ("w13", "w2"):
+            tensors[f"{name}_weight_scale"] = legacy_fold(
+                tensors[f"{name}_weight_scale"], tensors[f"{name}_weight_scale_2"]
+            )
+            tensors[f"{name}_weight_scale_2"] = torch.ones_like(
+                tensors[f"{name}_weight_scale_2"]
+            )
+
+    return [("reorder", reorder), ("swizzle", swizzle), ("fold", fold)]

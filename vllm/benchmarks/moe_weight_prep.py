@@ -1,17 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``vllm bench moe-weight-prep``: NVFP4 MoE weight preparation, before vs after.
+"""``vllm bench moe-weight-prep``: NVFP4 MoE weight preparation, legacy vs bounded.
 
 For every MoE layer of a model preset, one layer at a time::
 
-    synthetic NVFP4 w13 (random codes and scales, exact shapes)
-      -> legacy   reorder (split + cat: a full second copy)   time, peak
-      -> bounded  reorder (in place, chunk-bounded)            time, peak
-      -> check: both produce the same bytes
+    synthetic NVFP4 layer (random codes and scales of the exact shapes)
+      -> legacy  preparation: reorder (split+cat), swizzle (padded + permuted
+                 copies), fold (float32 whole-tensor products)
+      -> bounded preparation: FusedMoE's own process_weights_after_loading
+                 for the b12x backends (fold, reorder, swizzle, finalize)
+      -> check: both give the same bytes
 
-and report per-model totals. Peak transient memory is read with
-:func:`vllm.utils.mem_utils.measure_peak_memory` in a separate run from the
-timed one (the CPU meter uses the profiler, which slows the code down).
+Each variant runs twice on fresh copies of the layer: once timed, once under
+:func:`vllm.utils.mem_utils.measure_peak_memory` (the CPU meter uses the
+profiler, which slows code down). A step's *peak transient* is its metered
+peak minus the growth of the resident parameters it leaves behind (a padded
+swizzle result replaces a smaller source): the free memory the step needs
+above the weights resident before and after it.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from vllm.benchmarks.legacy_moe_prep import split_cat_reorder
+from vllm.benchmarks.legacy_moe_prep import legacy_preparation_steps
 from vllm.benchmarks.moe_model_presets import (
     MOE_MODEL_PRESETS,
     MoEModelPreset,
@@ -34,33 +39,131 @@ from vllm.benchmarks.moe_model_presets import (
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-    reorder_w1w3_to_w3w1,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 
-__all__ = ["add_cli_args", "main", "run_benchmark", "synthetic_w13"]
+__all__ = [
+    "REPORTED_STEPS",
+    "add_cli_args",
+    "main",
+    "run_benchmark",
+    "synthetic_layer_tensors",
+    "synthetic_w13",
+]
 
 MIB = 1 << 20
+#: Steps reported per variant; "total" is the whole preparation.
+REPORTED_STEPS = ("reorder", "swizzle", "fold", "total")
+VARIANTS = ("legacy", "bounded")
+
+
+# --- synthetic layers ------------------------------------------------------------
+
+
+def _random_bytes(n: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    # int64 random_ fills 8 bytes per draw: much faster than uint8 randint.
+    words = torch.empty(-(-n // 8), dtype=torch.int64, device=device)
+    words.random_(generator=gen)
+    return words.view(torch.uint8)[:n]
+
+
+def _random_scales(shape, device, gen) -> torch.Tensor:
+    # Finite, positive float8_e4m3fn values in [2^-3, 2^4): bytes 0x30..0x67.
+    raw = torch.randint(0x30, 0x68, shape, dtype=torch.uint8, device=device,
+                        generator=gen)  # fmt: skip
+    return raw.view(torch.float8_e4m3fn)
 
 
 def synthetic_w13(
     preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random NVFP4 ``w13_weight`` [E, rows, H/2] uint8 and ``w13_weight_scale``
+    """Random ``w13_weight`` [E, rows, H/2] uint8 and ``w13_weight_scale``
     [E, rows, H/16] float8_e4m3fn (finite, positive) of the preset's shapes."""
     rows = preset.w13_rows(tp_size)
     e, h = preset.num_experts, preset.hidden_size
     gen = torch.Generator(device=device).manual_seed(seed)
-    # int64 random_ fills 8 bytes per draw: much faster than uint8 randint.
-    n_words = -(-e * rows * (h // 2) // 8)
-    words = torch.empty(n_words, dtype=torch.int64, device=device)
-    words.random_(generator=gen)
-    weight = words.view(torch.uint8)[: e * rows * (h // 2)].view(e, rows, h // 2)
-    scale_bytes = torch.randint(
-        0x08, 0x7F, (e, rows, h // 16), dtype=torch.uint8, device=device,
-        generator=gen,
-    )  # fmt: skip
-    return weight, scale_bytes.view(torch.float8_e4m3fn)
+    weight = _random_bytes(e * rows * (h // 2), device, gen).view(e, rows, h // 2)
+    return weight, _random_scales((e, rows, h // 16), device, gen)
+
+
+def synthetic_layer_tensors(
+    preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
+) -> dict[str, torch.Tensor]:
+    """One MoE layer's ModelOpt NVFP4 parameters with random contents, keyed
+    by FusedMoE parameter name (checkpoint layout). w1 and w3 share a global
+    scale so that the legacy preparation is exact and can be compared."""
+    e, h = preset.num_experts, preset.hidden_size
+    i = preset.intermediate_size_per_partition(tp_size)
+    shards = 2 if preset.is_gated else 1
+    w13, s13 = synthetic_w13(preset, tp_size, device, seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    g13 = torch.rand(e, 1, device=device, generator=gen) * 1e-3 + 1e-4
+    g2 = torch.rand(e, device=device, generator=gen) * 1e-3 + 1e-4
+    return {
+        "w13_weight": w13,
+        "w13_weight_scale": s13,
+        "w13_weight_scale_2": g13.expand(e, shards).contiguous(),
+        "w13_input_scale": torch.ones(e, shards, device=device),
+        "w2_weight": _random_bytes(e * h * (i // 2), device, gen).view(e, h, i // 2),
+        "w2_weight_scale": _random_scales((e, h, i // 16), device, gen),
+        "w2_weight_scale_2": g2,
+        "w2_input_scale": torch.ones(e, device=device),
+    }
+
+
+def _make_layer(preset, tp_size, device, tensors, cap):
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    # The emulated backend runs the kernel backend's preparation line for
+    # line (it subclasses it) on any device.
+    layer = FusedMoE(
+        num_experts=preset.num_experts,
+        top_k=preset.top_k,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        activation=preset.activation,
+        quant_config=ModelOptNvFp4Config(),
+        moe_backend="flashinfer_b12x_emulated",
+        device=device,
+        tp_size=tp_size,
+        experts_kwargs={"max_transient_bytes": cap},
+    )
+    with torch.no_grad():
+        for name, value in tensors.items():
+            getattr(layer, name).copy_(value)
+    return layer
+
+
+def _resident_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.device, t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+# --- running steps -----------------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    """One step of one variant on one layer."""
+
+    step: str
+    time_s: float | None = None
+    peak_bytes: int | None = None  # metered peak above the step's start
+    growth_bytes: int = 0  # resident parameters after minus before
+    timeline: list[tuple[int, int]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def transient_bytes(self) -> int | None:
+        if self.peak_bytes is None:
+            return None
+        return max(0, self.peak_bytes - max(0, self.growth_bytes))
 
 
 def _sync(device: torch.device) -> None:
@@ -68,73 +171,85 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass
-class StepStats:
-    """Per-layer figures of one step in one variant."""
-
-    step: str
-    variant: str
-    times_s: list[float] = field(default_factory=list)
-    peaks_bytes: list[int] = field(default_factory=list)
-
-    def summary(self) -> dict:
-        return {
-            "step": self.step,
-            "variant": self.variant,
-            "layers": len(self.times_s),
-            "total_time_s": sum(self.times_s),
-            "median_time_per_layer_s": statistics.median(self.times_s)
-            if self.times_s
-            else 0.0,
-            "max_peak_transient_bytes": max(self.peaks_bytes, default=0),
-        }
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
-    _sync(device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return time.perf_counter() - start, out
-
-
-def _metered(fn: Callable[[], object], device: torch.device) -> int:
-    with measure_peak_memory(device) as mem:
-        out = fn()
-        del out
-    return mem.peak_bytes
-
-
-def _bench_reorder_layer(
-    weight: torch.Tensor,
-    scale: torch.Tensor,
+def _run_steps(
+    steps: list[tuple[str, Callable[[], None]]],
+    resident: Callable[[], int],
     device: torch.device,
-    max_transient_bytes: int,
-    legacy: StepStats,
-    bounded: StepStats,
-    layer: int,
-) -> None:
-    t, (want_w, want_s) = _timed(lambda: split_cat_reorder(weight, scale), device)
-    legacy.times_s.append(t)
-    legacy.peaks_bytes.append(
-        _metered(lambda: split_cat_reorder(weight, scale), device)
+    metered: bool,
+) -> list[StepRecord]:
+    records = []
+    for name, fn in steps:
+        rec = StepRecord(step=name)
+        before = resident()
+        try:
+            if metered:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                with measure_peak_memory(device) as mem:
+                    fn()
+                rec.peak_bytes = mem.peak_bytes
+                rec.timeline = mem.timeline
+            else:
+                _sync(device)
+                start = time.perf_counter()
+                fn()
+                _sync(device)
+                rec.time_s = time.perf_counter() - start
+        except torch.OutOfMemoryError as e:
+            rec.error = f"out of memory: {str(e).splitlines()[0]}"
+            records.append(rec)
+            break
+        rec.growth_bytes = resident() - before
+        records.append(rec)
+    return records
+
+
+def _legacy_run(tensors, gated, device, metered):
+    owned = {k: v.clone() for k, v in tensors.items()}
+    steps = legacy_preparation_steps(owned, gated)
+    records = _run_steps(steps, lambda: _resident_bytes(owned.values()), device,
+                         metered)  # fmt: skip
+    return records, owned
+
+
+def _bounded_run(preset, tp_size, tensors, device, cap, metered):
+    layer = _make_layer(preset, tp_size, device, tensors, cap)
+    steps = layer.quant_method.preparation_steps(layer)
+    records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()), device,
+                         metered)  # fmt: skip
+    return records, layer
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
     )
 
-    def bounded_reorder():
-        return reorder_w1w3_to_w3w1(
-            weight, scale, max_transient_bytes=max_transient_bytes
-        )
 
-    t, _ = _timed(bounded_reorder, device)
-    bounded.times_s.append(t)
-    if not (
-        torch.equal(weight, want_w)
-        and torch.equal(scale.view(torch.uint8), want_s.view(torch.uint8))
-    ):
-        raise RuntimeError(f"layer {layer}: the bounded reorder differs from split+cat")
-    del want_w, want_s
-    # Metered on a second call (it swaps back; the memory is the same).
-    bounded.peaks_bytes.append(_metered(bounded_reorder, device))
+def _check_equal(layer, legacy: dict, layer_idx: int) -> None:
+    for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
+        if not _same_bytes(getattr(layer, name).data, legacy[name]):
+            raise RuntimeError(
+                f"layer {layer_idx}: bounded and legacy preparations differ in {name}"
+            )
+
+
+def _summarize(records: list[StepRecord]) -> dict[str, dict]:
+    """Per reported step: time and transient (max over the step's records)."""
+    out = {}
+    for step in REPORTED_STEPS:
+        recs = records if step == "total" else [r for r in records if r.step == step]
+        times = [r.time_s for r in recs if r.time_s is not None]
+        trans = [r.transient_bytes for r in recs if r.transient_bytes is not None]
+        out[step] = {
+            "time_s": sum(times) if times else None,
+            "transient_bytes": max(trans) if trans else None,
+            "error": next((r.error for r in recs if r.error), None),
+        }
+    return out
+
+
+# --- the benchmark -------------------------------------------------------------------
 
 
 def run_benchmark(
@@ -144,14 +259,16 @@ def run_benchmark(
     tp_size: int = 1,
     num_layers: int | None = None,
     max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    memory_limit: int | None = None,
     seed: int = 0,
     progress: bool = True,
 ) -> dict:
     """Prepare ``num_layers`` synthetic layers of ``preset``, legacy and bounded.
 
-    Returns a JSON-serializable dict: the configuration, per-layer shapes and
-    bytes, and per step/variant the times and peak transients of every layer.
-    Raises RuntimeError if the bounded result differs from the legacy one.
+    Returns a JSON-serializable dict: configuration, shapes, per layer and
+    variant the per-step records (time, peak, growth, transient), per-variant
+    summaries, and the first layer's metered timelines (for the plot).
+    Raises RuntimeError if the two preparations give different bytes.
     """
     layers = preset.num_moe_layers if num_layers is None else num_layers
     if not 1 <= layers <= preset.num_moe_layers:
@@ -159,26 +276,64 @@ def run_benchmark(
             f"--num-layers must be in [1, {preset.num_moe_layers}] for "
             f"{preset.name}, got {layers}"
         )
-    rows = preset.w13_rows(tp_size)
-    e, h = preset.num_experts, preset.hidden_size
-    w13_bytes = e * rows * (h // 2) + e * rows * (h // 16)
-    legacy = StepStats("reorder", "legacy")
-    bounded = StepStats("reorder", "bounded")
+    per_layer: list[dict] = []
+    timelines: dict[str, list[dict]] = {}
+    resident = None
+    shapes = None
+    for idx in tqdm(range(layers), desc=preset.name, unit="layer",
+                    disable=not progress):  # fmt: skip
+        tensors = synthetic_layer_tensors(preset, tp_size, device, seed + idx)
+        resident = _resident_bytes(tensors.values())
+        shapes = {k: list(v.shape) for k, v in tensors.items()}
+        row: dict[str, list[StepRecord]] = {}
+        with _memory_limit(device, memory_limit):
+            # Timed runs, then the accuracy check, then metered runs.
+            legacy_timed, legacy_out = _legacy_run(tensors, preset.is_gated, device,
+                                                   False)  # fmt: skip
+            bounded_timed, layer = _bounded_run(preset, tp_size, tensors, device,
+                                                max_transient_bytes, False)  # fmt: skip
+            if not any(r.error for r in legacy_timed + bounded_timed):
+                _check_equal(layer, legacy_out, idx)
+            del legacy_out, layer
+            legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
+            bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
+                                          max_transient_bytes, True)  # fmt: skip
+        row["legacy"] = _merge(legacy_timed, legacy_mem)
+        row["bounded"] = _merge(bounded_timed, bounded_mem)
+        if idx == 0:
+            timelines = {
+                v: [
+                    {"step": r.step, "timeline": r.timeline,
+                     "growth_bytes": r.growth_bytes, "peak_bytes": r.peak_bytes}
+                    for r in row[v]
+                ]
+                for v in VARIANTS
+            }  # fmt: skip
+        per_layer.append(row)
+        del tensors
 
-    for layer in tqdm(range(layers), desc=preset.name, unit="layer",
-                      disable=not progress):  # fmt: skip
-        if not preset.is_gated:
-            # Non-gated experts have no [w1; w3] halves: nothing to reorder.
-            for stats in (legacy, bounded):
-                stats.times_s.append(0.0)
-                stats.peaks_bytes.append(0)
-            continue
-        weight, scale = synthetic_w13(preset, tp_size, device, seed + layer)
-        _bench_reorder_layer(
-            weight, scale, device, max_transient_bytes, legacy, bounded, layer
-        )
-        del weight, scale
-
+    summary = {}
+    for v in VARIANTS:
+        layer_sums = [_summarize(row[v]) for row in per_layer]
+        summary[v] = {}
+        for step in REPORTED_STEPS:
+            times = [s[step]["time_s"] for s in layer_sums if s[step]["time_s"]]
+            trans = [s[step]["transient_bytes"] for s in layer_sums
+                     if s[step]["transient_bytes"] is not None]  # fmt: skip
+            errors = [s[step]["error"] for s in layer_sums if s[step]["error"]]
+            summary[v][step] = {
+                "total_time_s": sum(times) if times else None,
+                "median_time_per_layer_s": statistics.median(times) if times else None,
+                "max_transient_bytes": max(trans) if trans else None,
+                "errors": errors,
+            }
+    limit_ok = None
+    if memory_limit is not None:
+        limit_ok = {
+            v: not summary[v]["total"]["errors"]
+            and (summary[v]["total"]["max_transient_bytes"] or 0) <= memory_limit
+            for v in VARIANTS
+        }
     return {
         "model": preset.name,
         "hf_id": preset.hf_id,
@@ -186,54 +341,180 @@ def run_benchmark(
         "torch": torch.__version__,
         "tp_size": tp_size,
         "num_layers": layers,
+        "activation": preset.activation,
         "max_transient_bytes": max_transient_bytes,
-        "w13_weight_shape": [e, rows, h // 2],
-        "w13_scale_shape": [e, rows, h // 16],
-        "w13_bytes_per_layer": w13_bytes,
-        "steps": [asdict(s) | s.summary() for s in (legacy, bounded)],
+        "memory_limit_bytes": memory_limit,
+        "memory_limit_ok": limit_ok,
+        "memory_limit_enforced": device.type == "cuda" and memory_limit is not None,
+        "resident_bytes_per_layer": resident,
+        "shapes": shapes,
+        "summary": summary,
+        "first_layer_timelines": timelines,
+        "layers": [
+            {v: [_record_json(r) for r in row[v]] for v in VARIANTS}
+            for row in per_layer
+        ],
     }
 
 
-def _fmt_mib(n: float) -> str:
-    return f"{n / MIB:,.1f} MiB"
+def _merge(timed: list[StepRecord], metered: list[StepRecord]) -> list[StepRecord]:
+    by_step = {r.step: r for r in metered}
+    out = []
+    for t in timed:
+        m = by_step.get(t.step)
+        out.append(
+            StepRecord(
+                step=t.step,
+                time_s=t.time_s,
+                peak_bytes=m.peak_bytes if m else None,
+                growth_bytes=m.growth_bytes if m else t.growth_bytes,
+                timeline=m.timeline if m else [],
+                error=t.error or (m.error if m else None),
+            )
+        )
+    for m in metered:  # steps the timed run never reached (it ran out of memory)
+        if m.step not in {t.step for t in timed}:
+            out.append(m)
+    return out
+
+
+def _record_json(r: StepRecord) -> dict:
+    return {
+        "step": r.step,
+        "time_s": r.time_s,
+        "peak_bytes": r.peak_bytes,
+        "growth_bytes": r.growth_bytes,
+        "transient_bytes": r.transient_bytes,
+        "error": r.error,
+    }
+
+
+class _memory_limit:
+    """On CUDA, cap this process's allocations at the resident memory plus
+    ``limit`` bytes (``torch.cuda.set_per_process_memory_fraction``)."""
+
+    def __init__(self, device: torch.device, limit: int | None):
+        self.device, self.limit = device, limit
+
+    def __enter__(self):
+        if self.limit is None or self.device.type != "cuda":
+            return self
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        allowed = torch.cuda.memory_allocated(self.device) + self.limit
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, allowed / total), self.device
+        )
+        return self
+
+    def __exit__(self, *exc):
+        if self.limit is not None and self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        return False
+
+
+# --- reporting --------------------------------------------------------------------
+
+
+def _mib(n: float | None) -> str:
+    return "-" if n is None else f"{n / MIB:,.1f} MiB"
+
+
+def _secs(n: float | None) -> str:
+    return "-" if n is None else f"{n:.3f} s"
 
 
 def format_report(result: dict) -> str:
     """The human-readable table for one :func:`run_benchmark` result."""
-    by = {(s["step"], s["variant"]): s for s in result["steps"]}
+    s = result["summary"]
     lines = [
         f"model {result['model']} ({result['hf_id']}), device {result['device']}, "
-        f"TP {result['tp_size']}, {result['num_layers']} MoE layers",
-        f"w13 per layer: weight {result['w13_weight_shape']} uint8, scale "
-        f"{result['w13_scale_shape']} float8_e4m3fn "
-        f"({_fmt_mib(result['w13_bytes_per_layer'])}); "
-        f"cap {_fmt_mib(result['max_transient_bytes'])}",
+        f"TP {result['tp_size']}, {result['num_layers']} MoE layers, "
+        f"activation {result['activation']}",
+        f"per layer: w13 {result['shapes']['w13_weight']} + w2 "
+        f"{result['shapes']['w2_weight']} with scales, resident "
+        f"{_mib(result['resident_bytes_per_layer'])}; bounded cap "
+        f"{_mib(result['max_transient_bytes'])}",
         "",
-        f"{'step':<9}{'variant':<10}{'peak transient':>16}{'median/layer':>14}"
-        f"{'total':>10}",
+        f"{'step':<9}{'legacy peak':>14}{'bounded peak':>15}"
+        f"{'legacy time':>14}{'bounded time':>15}",
     ]
-    for s in result["steps"]:
+    for step in REPORTED_STEPS:
+        leg, bnd = s["legacy"][step], s["bounded"][step]
         lines.append(
-            f"{s['step']:<9}{s['variant']:<10}"
-            f"{_fmt_mib(s['max_peak_transient_bytes']):>16}"
-            f"{s['median_time_per_layer_s'] * 1e3:>11.1f} ms"
-            f"{s['total_time_s']:>9.2f}s"
+            f"{step:<9}{_mib(leg['max_transient_bytes']):>14}"
+            f"{_mib(bnd['max_transient_bytes']):>15}"
+            f"{_secs(leg['total_time_s']):>14}{_secs(bnd['total_time_s']):>15}"
         )
-    old, new = by[("reorder", "legacy")], by[("reorder", "bounded")]
-    speedup = old["total_time_s"] / new["total_time_s"] if new["total_time_s"] else 0.0
     lines += [
+        "(peak: the most free memory one layer's step needs above the resident "
+        "weights; time: summed over layers)",
         "",
-        f"totals: layers {result['num_layers']}, w13 bytes "
-        f"{_fmt_mib(result['num_layers'] * result['w13_bytes_per_layer'])}, "
-        f"peak transient before {_fmt_mib(old['max_peak_transient_bytes'])} / "
-        f"after {_fmt_mib(new['max_peak_transient_bytes'])}, time before "
-        f"{old['total_time_s']:.2f}s / after {new['total_time_s']:.2f}s"
-        + (f" ({speedup:.1f}x faster)" if speedup else ""),
+        "free memory needed above the resident weights: legacy "
+        f"{_mib(s['legacy']['total']['max_transient_bytes'])}, bounded "
+        f"{_mib(s['bounded']['total']['max_transient_bytes'])}",
     ]
+    if result["memory_limit_bytes"] is not None:
+        how = (
+            "enforced with torch.cuda.set_per_process_memory_fraction"
+            if result["memory_limit_enforced"]
+            else "checked against the meter"
+        )
+        verdict = ", ".join(
+            f"{v} {'fits' if ok else 'EXCEEDS'}"
+            + (f" ({s[v]['total']['errors'][0]})" if s[v]["total"]["errors"] else "")
+            for v, ok in result["memory_limit_ok"].items()
+        )
+        lines.append(
+            f"memory limit {_mib(result['memory_limit_bytes'])} above the resident "
+            f"weights ({how}): {verdict}"
+        )
     return "\n".join(lines)
 
 
-def _parse_size(text: str) -> int:
+def write_plot(result: dict, path: str) -> None:
+    """PNG of the first layer's memory over the preparation steps, legacy and
+    bounded side by side (MiB allocated above the resident weights)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, variant in zip(axes, VARIANTS, strict=True):
+        x0, base = 0.0, 0.0
+        for rec in result["first_layer_timelines"][variant]:
+            xs, ys = [x0], [base]
+            levels = [lvl for _, lvl in rec["timeline"]]
+            if not levels and rec["peak_bytes"] is not None:
+                levels = [rec["peak_bytes"], rec["growth_bytes"]]  # CUDA: no timeline
+            for j, lvl in enumerate(levels):
+                xs.append(x0 + (j + 1) / (len(levels) + 1))
+                ys.append(base + lvl / MIB)
+            base += rec["growth_bytes"] / MIB
+            xs.append(x0 + 1)
+            ys.append(base)
+            ax.step(xs, ys, where="post")
+            x0 += 1
+        ax.axhline(result["max_transient_bytes"] / MIB, color="grey", ls="--", lw=0.8)
+        steps = [rec["step"] for rec in result["first_layer_timelines"][variant]]
+        ax.set_xticks([i + 0.5 for i in range(len(steps))], steps, fontsize=8)
+        ax.set_title(variant)
+    axes[0].set_ylabel("MiB allocated above the resident weights")
+    fig.suptitle(
+        f"{result['model']}: one MoE layer's weight preparation on "
+        f"{result['device']} (dashed: bounded cap)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- command line ---------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '512K', '1.5G', '1048576' -> bytes (binary units)."""
     units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     unit = t[-1] if t and t[-1] in "kmg" else ""
@@ -254,21 +535,37 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="model preset, or 'list' to list them: " + ", ".join(MOE_MODEL_PRESETS),
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size "
-                        "(divides the intermediate size)")  # fmt: skip
     parser.add_argument(
-        "--num-layers", type=int, default=None, help="MoE layers to prepare "
-        "(default: all of the model's)"
-    )  # fmt: skip
+        "--backend",
+        default="flashinfer_b12x",
+        choices=["flashinfer_b12x"],
+        help="the kernel whose weight preparation is measured (its preparation "
+        "runs on any device; the kernel itself is not called)",
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size (divides I)"
+    )
+    parser.add_argument(
+        "--num-layers", type=int, default=None, help="MoE layers (default: all)"
+    )
     parser.add_argument(
         "--max-transient",
-        type=_parse_size,
+        type=parse_size,
         default=DEFAULT_MAX_TRANSIENT_BYTES,
-        help="cap on the memory the bounded preparation allocates (default 64MiB)",
+        help="cap on what the bounded preparation allocates (default 64MiB)",
+    )
+    parser.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help="free memory allowed above the resident weights: enforced on CUDA, "
+        "checked against the meter on CPU",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write results as JSON")
+    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of one layer")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -283,7 +580,7 @@ def _list_presets() -> str:
         lines.append(
             f"{p.name:<26}{p.num_moe_layers:>7}{p.hidden_size:>6}"
             f"{p.num_experts:>5}{p.top_k:>6}{p.intermediate_size:>7}  "
-            f"{p.activation:<5} {_fmt_mib(nbytes):>12}"
+            f"{p.activation:<5} {_mib(nbytes):>12}"
         )
     return "\n".join(lines)
 
@@ -298,17 +595,21 @@ def main(args: argparse.Namespace) -> dict | None:
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device is available")
+            raise ValueError("--device cuda: no CUDA device is available")
     result = run_benchmark(
         preset,
         device=device,
         tp_size=args.tp,
         num_layers=args.num_layers,
         max_transient_bytes=args.max_transient,
+        memory_limit=args.memory_limit,
         seed=args.seed,
         progress=not args.no_progress,
     )
     print(format_report(result))
+    if args.plot:
+        write_plot(result, args.plot)
+        print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -13,6 +13,7 @@ import torch
 from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
+    fold_reference,
     load_nvfp4_experts,
     make_nvfp4_layer,
     quantize_experts_modelopt,
@@ -84,14 +85,6 @@ def _swap_gate_up(w1: torch.Tensor) -> torch.Tensor:
     """[gate; up] -> [up; gate] on a new tensor (test-side, by slicing)."""
     n = w1.shape[1] // 2
     return torch.cat([w1[:, n:], w1[:, :n]], dim=1)
-
-
-def fold_reference(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    """Test-side whole-tensor fold: fp8(float(scale) * scale_2 of its half)."""
-    e, r, c = scale.shape
-    groups = scale_2.reshape(e, -1).shape[1]
-    f = scale.float().view(e, groups, r // groups, c) * scale_2.view(e, groups, 1, 1)
-    return f.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(e, r, c)
 
 
 def _prepared_layer(tensors, e, topk, k, n, gated, backend, **kwargs):
@@ -292,3 +285,30 @@ def test_reference_rejects_inconsistent_shapes():
     with pytest.raises(ValueError, match="needs 16"):
         fused_experts(torch.zeros(2, 32), w1, w2, torch.ones(2, 1),
                       torch.zeros(2, 1, dtype=torch.int32))  # fmt: skip
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
+def test_weights_only_emulation_is_exact_when_the_fold_is_exact(gated):
+    # With global scales of 1 the fold changes nothing, so the only difference
+    # between the emulation (reading [w3; w1], swizzled MMA-layout scales) and
+    # the BF16 reference on the dequantized checkpoint weights would be a
+    # layout error: they must agree to the bit.
+    e, n, k, topk = 8, 128, 256, 2
+    w1, w2 = bf16_experts(e, n, k, gated=gated, seed=41)
+    tensors = quantize_experts_modelopt(w1, w2, gated=gated)
+    for name in ("w13_weight_scale_2", "w2_weight_scale_2"):
+        tensors[name] = torch.ones_like(tensors[name])
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(16, k, generator=gen).bfloat16()
+    logits = torch.randn(16, e, generator=gen)
+    layer = _prepared_layer(tensors, e, topk, k, n, gated, "flashinfer_b12x_emulated",
+                            weights_only=True)  # fmt: skip
+    out = layer(x, logits)
+    act = "silu" if gated else "relu2"
+    dw1, dw2 = dequantized_experts(tensors, gated=gated)
+    ref = fused_moe(x, dw1, dw2, logits, topk, True, act)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    # Control: the same comparison with gate and up (or the two halves of the
+    # I rows) swapped is nowhere near.
+    wrong = fused_moe(x, _swap_gate_up(dw1), dw2, logits, topk, True, act)
+    assert rel_rms_error(out, wrong) > 0.5

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kernels.moe.utils import split_cat_reference
 from tests.kernels.utils import DEVICES, bytes_of, random_bits
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
@@ -43,12 +44,6 @@ DIM_SHAPES = {
 }
 
 CAPS = [1, 7, 96, 4096, DEFAULT_MAX_TRANSIENT_BYTES]
-
-
-def split_cat_reference(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The pre-change reorder: a new tensor [w3; w1] built with split + cat."""
-    w1, w3 = t.chunk(2, dim=dim)
-    return torch.cat([w3, w1], dim=dim).contiguous()
 
 
 def assert_reorders_exactly(weight, scale, dim, **kwargs):

@@ -18,11 +18,28 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 __all__ = [
     "bf16_experts",
     "dequantized_experts",
+    "fold_reference",
     "load_nvfp4_experts",
     "make_nvfp4_layer",
     "quantize_experts_modelopt",
     "rel_rms_error",
+    "split_cat_reference",
 ]
+
+
+def split_cat_reference(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The pre-change reorder, test-side: a new tensor [w3; w1] by split+cat."""
+    w1, w3 = t.chunk(2, dim=dim)
+    return torch.cat([w3, w1], dim=dim).contiguous()
+
+
+def fold_reference(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Test-side whole-tensor fold of linear [E, R, C] FP8 scales:
+    fp8(clamp(float(scale) * scale_2 of its row group)), scale_2 [E] or [E, G]."""
+    e, r, c = scale.shape
+    groups = scale_2.reshape(e, -1).shape[1]
+    f = scale.float().view(e, groups, r // groups, c) * scale_2.view(e, groups, 1, 1)
+    return f.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(e, r, c)
 
 
 def bf16_experts(e: int, n: int, k: int, gated: bool, seed: int):

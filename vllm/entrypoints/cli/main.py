@@ -5,9 +5,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from vllm.entrypoints.cli.benchmark.main import add_bench_subparser
+# The CPU peak-memory meter sees tensors freed that were allocated before it
+# started; c10 logs a warning for each. Quiet by default on the command line
+# (must be set before torch loads).
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+from vllm.entrypoints.cli.benchmark.main import add_bench_subparser  # noqa: E402
 
 __all__ = ["main"]
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -132,11 +133,23 @@ class ModelOptNvFp4FusedMoE:
             layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Prepare the loaded parameters for the selected experts, once."""
+        for _, step in self.preparation_steps(layer):
+            step()
+
+    def preparation_steps(
+        self, layer: torch.nn.Module
+    ) -> list[tuple[str, Callable[[], None]]]:
+        """``process_weights_after_loading`` as named steps (for benchmarks):
+        the experts' own steps, then building the kernel."""
         self.experts = self.experts_cls(
             self.moe, FusedMoEQuantConfig(quant_dtype="nvfp4"), **self.experts_kwargs
         )
-        self.experts.process_weights_after_loading(layer)
-        self.kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), self.experts)
+
+        def build_kernel() -> None:
+            self.kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), self.experts)
+
+        return [*self.experts.preparation_steps(layer), ("kernel", build_kernel)]
 
     def apply(
         self,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -146,40 +147,56 @@ class FlashInferB12xExperts(FusedMoEExperts):
         when the loader already placed w13 as [w3; w1]
         (``layer.w13_loaded_as_w3w1``).
         """
+        for _, step in self.preparation_steps(layer):
+            step()
+
+    def preparation_steps(
+        self, layer: torch.nn.Module
+    ) -> list[tuple[str, Callable[[], None]]]:
+        """The preparation as named steps, run in order by
+        ``process_weights_after_loading`` (benchmarks time them one by one):
+        ``fold``, ``reorder``, ``swizzle``, ``finalize``."""
         cap = self.max_transient_bytes
         moe = self.moe
         e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
         inter = moe.intermediate_size_per_partition
-        with torch.no_grad():
-            # 1. Fold the global scales into the block scales (linear layout).
-            fold_global_scale_into_blockscale_(
-                layer.w13_weight_scale, layer.w13_weight_scale_2,
-                max_transient_bytes=cap,
-            )  # fmt: skip
-            fold_global_scale_into_blockscale_(
-                layer.w2_weight_scale, layer.w2_weight_scale_2,
-                max_transient_bytes=cap,
-            )  # fmt: skip
-            layer.w13_weight_scale_2.fill_(1.0)
-            layer.w2_weight_scale_2.fill_(1.0)
-            # 2. [w1; w3] -> [w3; w1], on the linear scales.
+
+        @torch.no_grad()
+        def fold() -> None:
+            # Each expert's global scale (w1's and w3's own for w13) into its
+            # FP8 block scales, on the linear layout; then the global is 1.
+            for name in ("w13", "w2"):
+                fold_global_scale_into_blockscale_(
+                    getattr(layer, f"{name}_weight_scale"),
+                    getattr(layer, f"{name}_weight_scale_2"),
+                    max_transient_bytes=cap,
+                )
+                getattr(layer, f"{name}_weight_scale_2").fill_(1.0)
+
+        @torch.no_grad()
+        def reorder() -> None:
+            # [w1; w3] -> [w3; w1] on the weight and the linear scales.
             if moe.is_act_and_mul and not getattr(layer, "w13_loaded_as_w3w1", False):
                 reorder_w1w3_to_w3w1(
                     layer.w13_weight, layer.w13_weight_scale, dim=-2,
                     max_transient_bytes=cap,
                 )  # fmt: skip
             layer.w13_loaded_as_w3w1 = moe.is_act_and_mul
-            # 3. 128x4 swizzle.
+
+        @torch.no_grad()
+        def swizzle() -> None:
             for name in ("w13_weight_scale", "w2_weight_scale"):
                 swizzled = swizzle_blockscale_bounded(
                     getattr(layer, name), max_transient_bytes=cap
                 )
                 _replace_parameter(layer, name, swizzled)
-            # 4. What the kernel reads besides the weights.
+
+        @torch.no_grad()
+        def finalize() -> None:
             qc = self.quant_config
             qc.w1_scale = blockscale_mma_layout_view(layer.w13_weight_scale, rows, h, e)
             qc.w2_scale = blockscale_mma_layout_view(layer.w2_weight_scale, h, inter, e)
-            qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()
+            qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
             qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
             # The kernel quantizes the FC1 and FC2 inputs dynamically; static
             # checkpoint input scales are not used by this backend.
@@ -188,6 +205,13 @@ class FlashInferB12xExperts(FusedMoEExperts):
             self._fc2_input_scale = torch.ones(
                 e, dtype=torch.float32, device=layer.w13_weight.device
             )
+
+        return [
+            ("fold", fold),
+            ("reorder", reorder),
+            ("swizzle", swizzle),
+            ("finalize", finalize),
+        ]
 
     def _check_prepared(self) -> None:
         if self._fc2_input_scale is None:

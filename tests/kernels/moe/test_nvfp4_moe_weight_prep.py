@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The whole b12x weight preparation: exact, bounded, and measured."""
+
+import pytest
+import torch
+
+from tests.kernels.moe.utils import (
+    bf16_experts,
+    dequantized_experts,
+    fold_reference,
+    load_nvfp4_experts,
+    make_nvfp4_layer,
+    quantize_experts_modelopt,
+    rel_rms_error,
+    split_cat_reference,
+)
+from tests.kernels.utils import DEVICES, bytes_of, random_bits
+from vllm.benchmarks.legacy_moe_prep import legacy_fold, legacy_preparation_steps
+from vllm.benchmarks.moe_model_presets import get_preset
+from vllm.benchmarks.moe_weight_prep import synthetic_layer_tensors
+from vllm.model_executor.layers.fused_moe import fused_moe
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    fold_global_scale_into_blockscale_,
+    swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
+    unswizzle_blockscale,
+)
+from vllm.utils.mem_utils import measure_peak_memory
+
+MIB = 1 << 20
+BACKEND = "flashinfer_b12x_emulated"  # same preparation as flashinfer_b12x
+
+# (E, H, I, gated): scaled-down real shapes; I = 80 needs row padding
+# (2I or I not a multiple of 128) and H/16 or I/16 not a multiple of 4 needs
+# column padding.
+LAYER_SHAPES = [
+    (4, 256, 128, True),
+    (3, 192, 80, True),
+    (2, 320, 80, False),
+    (4, 128, 64, False),
+]
+CAPS = [16 << 10, 4 * MIB, 64 * MIB]
+
+
+def random_layer_tensors(e, h, i, gated, seed, device="cpu"):
+    """Random ModelOpt tensors (valid FP8 scales; w1/w3 scales differ)."""
+    rows = 2 * i if gated else i
+    gen = torch.Generator().manual_seed(seed)
+
+    def scales(shape):
+        raw = torch.randint(0x08, 0x78, shape, dtype=torch.uint8, generator=gen)
+        return raw.view(torch.float8_e4m3fn)
+
+    shards = 2 if gated else 1
+    tensors = {
+        "w13_weight": random_bits((e, rows, h // 2), torch.uint8, "cpu", seed + 1),
+        "w13_weight_scale": scales((e, rows, h // 16)),
+        "w13_weight_scale_2": torch.rand(e, shards, generator=gen) * 4 + 0.01,
+        "w13_input_scale": torch.rand(e, shards, generator=gen),
+        "w2_weight": random_bits((e, h, i // 2), torch.uint8, "cpu", seed + 2),
+        "w2_weight_scale": scales((e, h, i // 16)),
+        "w2_weight_scale_2": torch.rand(e, generator=gen) * 4 + 0.01,
+        "w2_input_scale": torch.rand(e, generator=gen),
+    }
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def whole_tensor_preparation(t: dict, gated: bool) -> dict:
+    """Test-side reference: the same preparation done the straightforward way,
+    on whole tensors (float32 fold, split+cat reorder, padded swizzle)."""
+    s13 = fold_reference(t["w13_weight_scale"].cpu(), t["w13_weight_scale_2"].cpu())
+    s2 = fold_reference(t["w2_weight_scale"].cpu(), t["w2_weight_scale_2"].cpu())
+    w13 = t["w13_weight"].cpu()
+    if gated:
+        w13, s13 = split_cat_reference(w13, -2), split_cat_reference(s13, -2)
+    return {
+        "w13_weight": w13,
+        "w13_weight_scale": swizzle_blockscale(s13),
+        "w2_weight": t["w2_weight"].cpu(),
+        "w2_weight_scale": swizzle_blockscale(s2),
+        "w13_weight_scale_2": torch.ones_like(t["w13_weight_scale_2"].cpu()),
+        "w2_weight_scale_2": torch.ones_like(t["w2_weight_scale_2"].cpu()),
+    }
+
+
+def _layer(e, h, i, gated, device, cap, top_k=2):
+    return FusedMoE(
+        num_experts=e,
+        top_k=top_k,
+        hidden_size=h,
+        intermediate_size=i,
+        activation="silu" if gated else "relu2",
+        quant_config=ModelOptNvFp4Config(),
+        moe_backend=BACKEND,
+        device=device,
+        experts_kwargs={"max_transient_bytes": cap},
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cap", CAPS, ids=lambda c: f"cap{c >> 10}KiB")
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "E{}_H{}_I{}_{}".format(
+    s[0], s[1], s[2], "silu" if s[3] else "relu2"))  # fmt: skip
+def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, device):
+    e, h, i, gated = shape
+    tensors = random_layer_tensors(e, h, i, gated, seed=sum(shape), device=device)
+    want = whole_tensor_preparation(tensors, gated)
+    layer = _layer(e, h, i, gated, device, cap)
+    load_nvfp4_experts(layer, tensors)
+    before = {name: p for name, p in layer.named_parameters()}
+    layer.quant_method.process_weights_after_loading(layer)
+    for name, expected in want.items():
+        got = getattr(layer, name).detach().cpu()
+        assert got.shape == expected.shape, name
+        assert torch.equal(bytes_of(got.contiguous()), bytes_of(expected)), name
+    # Parameters whose shape did not change are the same objects.
+    for name, param in layer.named_parameters():
+        if param.shape == before[name].shape:
+            assert param is before[name], name
+    padded = (2 * i if gated else i) % 128 or (h // 16) % 4
+    assert (layer.w13_weight_scale is before["w13_weight_scale"]) == (not padded)
+    # The kernel's views read the same bytes.
+    qc = layer.quant_method.experts.quant_config
+    assert qc.w1_scale.data_ptr() == layer.w13_weight_scale.data_ptr()
+    assert qc.w2_scale.data_ptr() == layer.w2_weight_scale.data_ptr()
+    assert torch.equal(qc.g1_alphas.cpu(), torch.ones(e))
+
+
+def test_separate_w1_w3_global_scales_are_folded_exactly():
+    # Up (w3) weights 4x larger than gate (w1): their global scales differ 4x.
+    e, h, i, topk = 4, 256, 128, 2
+    w1, w2 = bf16_experts(e, i, h, gated=True, seed=31)
+    w1[:, i:] *= 4
+    tensors = quantize_experts_modelopt(w1, w2, gated=True)
+    s2 = tensors["w13_weight_scale_2"]
+    ratio = s2[:, 1] / s2[:, 0]
+    assert ((ratio > 3) & (ratio < 5)).all(), ratio
+    layer = make_nvfp4_layer(e, topk, h, i, True, BACKEND, weights_only=True)
+    load_nvfp4_experts(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(32, h, generator=gen).bfloat16()
+    logits = torch.randn(32, e, generator=gen)
+    dw1, dw2 = dequantized_experts(tensors, gated=True)
+    ref = fused_moe(x, dw1, dw2, logits, topk, renormalize=True)
+    out = layer(x, logits)
+    # Tolerance: the weights-only tolerance of test_flashinfer_b12x_moe (0.10,
+    # the FP8 re-rounding of folded scales).
+    assert rel_rms_error(out, ref) < 0.10
+    # Control: folding both halves with w1's scale (dropping w3's, as the
+    # legacy fold did) misses by far.
+    dropped = dict(tensors)
+    dropped["w13_weight_scale_2"] = s2[:, :1].expand(e, 2).contiguous()
+    dw1_dropped, _ = dequantized_experts(dropped, gated=True)
+    ref_dropped = fused_moe(x, dw1_dropped, dw2, logits, topk, renormalize=True)
+    assert rel_rms_error(out, ref_dropped) > 0.5
+    # ...and the legacy fold's scale bytes do differ from the exact ones.
+    legacy = legacy_fold(tensors["w13_weight_scale"], s2)
+    exact = fold_reference(tensors["w13_weight_scale"], s2)
+    assert not torch.equal(bytes_of(legacy), bytes_of(exact))
+
+
+def _prep_peak(layer, device) -> int:
+    with measure_peak_memory(device) as mem:
+        layer.quant_method.process_weights_after_loading(layer)
+    return mem.peak_bytes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cap", [64 * MIB, 4 * MIB], ids=["64MiB", "4MiB"])
+def test_whole_preparation_of_a_qwen36_layer_stays_within_cap(cap, device):
+    preset = get_preset("qwen3.6-35b-a3b")
+    tensors = synthetic_layer_tensors(preset, 1, torch.device(device), seed=0)
+    layer = FusedMoE(
+        num_experts=preset.num_experts, top_k=preset.top_k,
+        hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+        quant_config=ModelOptNvFp4Config(), moe_backend=BACKEND, device=device,
+        experts_kwargs={"max_transient_bytes": cap},
+    )  # fmt: skip
+    load_nvfp4_experts(layer, tensors)
+    peak = _prep_peak(layer, device)
+    assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"
+
+    # Control: the legacy pipeline on the same layer needs a full copy of w13
+    # (288 MiB) and 4x-size float32 temporaries of the scales.
+    legacy = {k: v.clone() for k, v in tensors.items()}
+    peaks = {}
+    for name, step in legacy_preparation_steps(legacy, gated=True):
+        with measure_peak_memory(device) as mem:
+            step()
+        peaks[name] = mem.peak_bytes
+    assert peaks["reorder"] >= 288 * MIB
+    assert peaks["fold"] >= 4 * 32 * MIB
+    assert max(peaks.values()) > 4 * cap
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_swizzle_holds_only_the_buffer_beside_its_result(device):
+    # 1856 rows (Nemotron's I) pad to 1920: the result is new; the call's own
+    # transient is the buffer, the padded result is what replaces the source.
+    scale = random_bits((8, 1856, 116), torch.uint8, device, seed=41)
+    scale = (scale % 0x70 + 8).view(torch.float8_e4m3fn)
+    cap = 1 * MIB
+    with measure_peak_memory(device) as mem:
+        out = swizzle_blockscale_bounded(scale, max_transient_bytes=cap)
+    result_bytes = out.numel()
+    assert out.shape == (8, 1920, 116)
+    assert mem.peak_bytes <= result_bytes + cap
+    assert torch.equal(bytes_of(unswizzle_blockscale(out, 1856, 116)), bytes_of(scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fold_is_chunked(device):
+    scale = (random_bits((16, 512, 64), torch.uint8, device, seed=42) % 0x70 + 8).view(
+        torch.float8_e4m3fn
+    )
+    scale_2 = torch.rand(16, 2, device=device) + 0.5
+    want = fold_reference(scale.cpu(), scale_2.cpu())
+    with measure_peak_memory(device) as mem:
+        fold_global_scale_into_blockscale_(scale, scale_2, max_transient_bytes=64 << 10)
+    assert mem.peak_bytes <= 64 << 10
+    assert torch.equal(bytes_of(scale.cpu()), bytes_of(want))
+
+
+def test_preparation_input_errors():
+    s = torch.zeros(2, 128, 4, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        swizzle_blockscale_bounded(torch.zeros(2, 128, 4))
+    with pytest.raises(ValueError, match="below one group of 128 rows"):
+        swizzle_blockscale_bounded(s, max_transient_bytes=100)
+    with pytest.raises(ValueError, match="must be positive"):
+        swizzle_blockscale_bounded(s, max_transient_bytes=0)
+    with pytest.raises(ValueError, match=r"scale_2 must be \[E\] or \[E, G\]"):
+        fold_global_scale_into_blockscale_(s, torch.ones(3))
+    with pytest.raises(ValueError, match="at least 4"):
+        fold_global_scale_into_blockscale_(s, torch.ones(2), max_transient_bytes=2)
+    with pytest.raises(TypeError, match="scale_2 must be a torch.Tensor"):
+        fold_global_scale_into_blockscale_(s, 1.0)
