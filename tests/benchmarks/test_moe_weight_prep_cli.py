@@ -41,3 +41,27 @@ def test_list_and_errors(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "moe-weight-prep", "--model", "mixtral-8x7b", "--tp", "3"])
     assert "--tp 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_checkpoint_directory(tmp_path, capsys, fmt):
+    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
+        main as write_example,
+    )
+
+    ckpt = tmp_path / "ckpt"
+    write_example([str(ckpt), "--format", fmt, "--num-layers", "2",
+                   "--num-experts", "8", "--hidden-size", "256",
+                   "--intermediate-size", "256"])  # fmt: skip
+    out_json = tmp_path / "r.json"
+    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
+          "--no-progress", "--json", str(out_json)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert f"({fmt}), checkpoint weights" in text
+    result = json.loads(out_json.read_text())
+    assert result["num_layers"] == 2 and result["tp_size"] == 2
+    # Per layer: w13 [8, 256, 128] + scales [8, 256, 16] at TP 2.
+    assert result["shapes"]["w13_weight"] == [8, 256, 128]
+    legacy = result["summary"]["legacy"]["reorder"]["max_transient_bytes"]
+    assert legacy == 8 * 256 * (128 + 16)
+    assert result["summary"]["bounded"]["total"]["max_transient_bytes"] < legacy

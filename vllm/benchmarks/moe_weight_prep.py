@@ -127,6 +127,7 @@ def _make_layer(preset, tp_size, device, tensors, cap):
         moe_backend="flashinfer_b12x_emulated",
         device=device,
         tp_size=tp_size,
+        place_w3w1_at_load=False,  # tensors are copied in checkpoint layout
         experts_kwargs={"max_transient_bytes": cap},
     )
     with torch.no_grad():
@@ -226,8 +227,13 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _check_equal(layer, legacy: dict, layer_idx: int) -> None:
-    for name in ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"):
+def _check_equal(layer, legacy: dict, layer_idx: int, same_w1_w3_scale: bool):
+    names = ["w13_weight", "w2_weight", "w2_weight_scale"]
+    if same_w1_w3_scale:
+        # With separate w1/w3 global scales the legacy fold is wrong (it used
+        # w1's for both halves): only then do the w13 scales differ.
+        names.append("w13_weight_scale")
+    for name in names:
         if not _same_bytes(getattr(layer, name).data, legacy[name]):
             raise RuntimeError(
                 f"layer {layer_idx}: bounded and legacy preparations differ in {name}"
@@ -262,8 +268,12 @@ def run_benchmark(
     memory_limit: int | None = None,
     seed: int = 0,
     progress: bool = True,
+    layer_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None,
 ) -> dict:
-    """Prepare ``num_layers`` synthetic layers of ``preset``, legacy and bounded.
+    """Prepare ``num_layers`` layers of ``preset``, legacy and bounded.
+
+    Layers are synthetic unless ``layer_tensors(i)`` returns the i-th MoE
+    layer's parameters (checkpoint layout), e.g. read from a checkpoint.
 
     Returns a JSON-serializable dict: configuration, shapes, per layer and
     variant the per-step records (time, peak, growth, transient), per-variant
@@ -282,7 +292,10 @@ def run_benchmark(
     shapes = None
     for idx in tqdm(range(layers), desc=preset.name, unit="layer",
                     disable=not progress):  # fmt: skip
-        tensors = synthetic_layer_tensors(preset, tp_size, device, seed + idx)
+        if layer_tensors is None:
+            tensors = synthetic_layer_tensors(preset, tp_size, device, seed + idx)
+        else:
+            tensors = layer_tensors(idx)
         resident = _resident_bytes(tensors.values())
         shapes = {k: list(v.shape) for k, v in tensors.items()}
         row: dict[str, list[StepRecord]] = {}
@@ -293,7 +306,9 @@ def run_benchmark(
             bounded_timed, layer = _bounded_run(preset, tp_size, tensors, device,
                                                 max_transient_bytes, False)  # fmt: skip
             if not any(r.error for r in legacy_timed + bounded_timed):
-                _check_equal(layer, legacy_out, idx)
+                s2 = tensors["w13_weight_scale_2"]
+                same = bool((s2 == s2[:, :1]).all())
+                _check_equal(layer, legacy_out, idx, same)
             del legacy_out, layer
             legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
             bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
@@ -337,6 +352,7 @@ def run_benchmark(
     return {
         "model": preset.name,
         "hf_id": preset.hf_id,
+        "source": "synthetic" if layer_tensors is None else "checkpoint",
         "device": str(device),
         "torch": torch.__version__,
         "tp_size": tp_size,
@@ -428,7 +444,8 @@ def format_report(result: dict) -> str:
     """The human-readable table for one :func:`run_benchmark` result."""
     s = result["summary"]
     lines = [
-        f"model {result['model']} ({result['hf_id']}), device {result['device']}, "
+        f"model {result['model']} ({result['hf_id']}, {result['source']} weights), "
+        f"device {result['device']}, "
         f"TP {result['tp_size']}, {result['num_layers']} MoE layers, "
         f"activation {result['activation']}",
         f"per layer: w13 {result['shapes']['w13_weight']} + w2 "
@@ -530,10 +547,17 @@ def parse_size(text: str) -> int:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--model",
-        required=True,
-        help="model preset, or 'list' to list them: " + ", ".join(MOE_MODEL_PRESETS),
+        help="model preset (synthetic weights of its exact shapes), or 'list': "
+        + ", ".join(MOE_MODEL_PRESETS),
+    )
+    source.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="an NVFP4 MoE checkpoint directory (ModelOpt or compressed-tensors); "
+        "its MoE layers are loaded one at a time",
     )
     parser.add_argument(
         "--backend",
@@ -569,6 +593,43 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
+def _checkpoint_source(path: str, tp_size: int, device: torch.device, progress: bool):
+    """A preset describing the checkpoint's MoE geometry, and a function that
+    loads its i-th MoE layer (tensor-parallel rank 0 of ``tp_size``)."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+    from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
+        NVFP4MoECheckpoint,
+    )
+
+    ckpt = NVFP4MoECheckpoint(path)
+    preset = MoEModelPreset(
+        name=ckpt.model_dir.name,
+        hf_id=f"{ckpt.model_dir} ({ckpt.format})",
+        num_moe_layers=len(ckpt.moe_layers),
+        hidden_size=ckpt.hidden_size,
+        num_experts=ckpt.num_experts,
+        top_k=ckpt.top_k,
+        intermediate_size=ckpt.intermediate_size,
+        activation=ckpt.activation,
+    )
+    preset.intermediate_size_per_partition(tp_size)  # validates --tp
+
+    def layer_tensors(i: int) -> dict[str, torch.Tensor]:
+        layer = FusedMoE(
+            num_experts=preset.num_experts, top_k=preset.top_k,
+            hidden_size=preset.hidden_size,
+            intermediate_size=preset.intermediate_size,
+            activation=preset.activation, quant_config=ModelOptNvFp4Config(),
+            moe_backend="flashinfer_b12x_emulated", device=device,
+            tp_size=tp_size, place_w3w1_at_load=False,
+        )  # fmt: skip
+        ckpt.load_layer(layer, ckpt.moe_layers[i], progress=progress)
+        return {n: p.data for n, p in layer.named_parameters()}
+
+    return preset, layer_tensors
+
+
 def _list_presets() -> str:
     lines = [
         f"{'preset':<26}{'layers':>7}{'H':>6}{'E':>5}{'top-k':>6}{'I':>7}  act   "
@@ -589,13 +650,18 @@ def main(args: argparse.Namespace) -> dict | None:
     if args.model == "list":
         print(_list_presets())
         return None
-    preset = get_preset(args.model)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
+    layer_tensors = None
+    if args.checkpoint:
+        preset, layer_tensors = _checkpoint_source(args.checkpoint, args.tp, device,
+                                                   not args.no_progress)  # fmt: skip
+    else:
+        preset = get_preset(args.model)
     result = run_benchmark(
         preset,
         device=device,
@@ -605,6 +671,7 @@ def main(args: argparse.Namespace) -> dict | None:
         memory_limit=args.memory_limit,
         seed=args.seed,
         progress=not args.no_progress,
+        layer_tensors=layer_tensors,
     )
     print(format_report(result))
     if args.plot:

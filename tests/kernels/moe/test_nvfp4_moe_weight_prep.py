@@ -98,6 +98,7 @@ def _layer(e, h, i, gated, device, cap, top_k=2):
         quant_config=ModelOptNvFp4Config(),
         moe_backend=BACKEND,
         device=device,
+        place_w3w1_at_load=False,
         experts_kwargs={"max_transient_bytes": cap},
     )
 
@@ -180,7 +181,7 @@ def test_whole_preparation_of_a_qwen36_layer_stays_within_cap(cap, device):
         num_experts=preset.num_experts, top_k=preset.top_k,
         hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
         quant_config=ModelOptNvFp4Config(), moe_backend=BACKEND, device=device,
-        experts_kwargs={"max_transient_bytes": cap},
+        place_w3w1_at_load=False, experts_kwargs={"max_transient_bytes": cap},
     )  # fmt: skip
     load_nvfp4_experts(layer, tensors)
     peak = _prep_peak(layer, device)

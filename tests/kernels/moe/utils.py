@@ -126,6 +126,7 @@ def make_nvfp4_layer(e, topk, k, n, gated, backend, **experts_kwargs) -> FusedMo
         moe_backend=backend,
         params_dtype=torch.bfloat16,
         device="cpu",
+        place_w3w1_at_load=False,  # load_nvfp4_experts copies checkpoint layout
         experts_kwargs=experts_kwargs,
     )
 

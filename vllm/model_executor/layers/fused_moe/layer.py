@@ -38,6 +38,14 @@ class FusedMoE(torch.nn.Module):
         experts_kwargs: extra options of the experts class (e.g.
             ``max_transient_bytes``, or ``weights_only`` for the emulation).
         renormalize: renormalize the top-k routing weights to sum to 1.
+        tp_rank, tp_size: tensor parallelism along I (the loader shards).
+        ep_rank, ep_size: expert parallelism; this rank owns global experts
+            [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size).
+        place_w3w1_at_load: make ``weight_loader`` write w3 into the first
+            half of w13 so the preparation skips the reorder (default: what
+            the backend wants; True for the b12x backends). Code that copies
+            checkpoint-layout tensors straight into the parameters must pass
+            False.
     """
 
     def __init__(
@@ -54,6 +62,9 @@ class FusedMoE(torch.nn.Module):
         renormalize: bool = True,
         tp_rank: int = 0,
         tp_size: int = 1,
+        ep_rank: int = 0,
+        ep_size: int = 1,
+        place_w3w1_at_load: bool | None = None,
         experts_kwargs: dict[str, Any] | None = None,
         prefix: str = "",
     ):
@@ -70,11 +81,22 @@ class FusedMoE(torch.nn.Module):
             )
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+        if num_experts % ep_size != 0 or not 0 <= ep_rank < ep_size:
+            raise ValueError(
+                f"expert parallelism needs ep_size ({ep_size}) to divide "
+                f"num_experts ({num_experts}) and 0 <= ep_rank < ep_size, got "
+                f"ep_rank {ep_rank}"
+            )
         device = torch.device(
             device if device is not None else torch.get_default_device()
         )
+        self.global_num_experts = num_experts
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        self.local_num_experts = num_experts // ep_size
+        # This rank owns the contiguous global experts [first, first + local).
+        self._first_expert = ep_rank * self.local_num_experts
         self.moe_config = FusedMoEConfig(
-            num_experts=num_experts,
+            num_experts=self.local_num_experts,
             experts_per_token=top_k,
             hidden_dim=hidden_size,
             intermediate_size_per_partition=intermediate_size // tp_size,
@@ -89,15 +111,118 @@ class FusedMoE(torch.nn.Module):
         self.moe_backend = moe_backend
         self.experts_kwargs = dict(experts_kwargs or {})
         self.prefix = prefix
-        get_nvfp4_experts_class(moe_backend).check_supported(
-            self.moe_config, "nvfp4", device
-        )
+        experts_cls = get_nvfp4_experts_class(moe_backend)
+        experts_cls.check_supported(self.moe_config, "nvfp4", device)
+        if ep_size > 1 and not experts_cls.supports_expert_parallel():
+            raise ValueError(
+                f"MoE backend {moe_backend!r} does not support expert parallelism "
+                f"(ep_size={ep_size})"
+            )
+        # Backends that want [w3; w1] get it from the loader: w3 goes to the
+        # first half directly and the preparation skips the reorder.
+        if place_w3w1_at_load is None:
+            place_w3w1_at_load = experts_cls.wants_w3w1
+        #: w13 rows hold [w3; w1] (set at load, or by the reorder).
+        self.w13_loaded_as_w3w1 = bool(place_w3w1_at_load) and self.activation.is_gated
         self.quant_method = quant_config.get_quant_method(self, prefix)
         self.quant_method.create_weights(self, device)
 
     @property
     def activation(self) -> MoEActivation:
         return self.moe_config.activation
+
+    # -- loading ------------------------------------------------------------------
+    def map_global_expert(self, expert_id: int) -> int | None:
+        """Local index of global expert ``expert_id``; None if not owned."""
+        if not 0 <= expert_id < self.global_num_experts:
+            raise ValueError(
+                f"expert_id {expert_id} is out of range for "
+                f"{self.global_num_experts} experts"
+            )
+        local = expert_id - self._first_expert
+        return local if 0 <= local < self.local_num_experts else None
+
+    def _w13_row_group(self, shard_id: str) -> int:
+        """Which half of w13 a shard goes to: 0 = first rows, 1 = second."""
+        if not self.activation.is_gated:
+            if shard_id != "w1":
+                raise ValueError(
+                    f"non-gated experts have only w1 and w2 shards, got {shard_id!r}"
+                )
+            return 0
+        first = "w3" if self.w13_loaded_as_w3w1 else "w1"
+        return 0 if shard_id == first else 1
+
+    def weight_loader(
+        self,
+        param: torch.nn.Parameter,
+        loaded_weight: torch.Tensor,
+        weight_name: str,
+        shard_id: str,
+        expert_id: int,
+    ) -> bool:
+        """Copy one checkpoint tensor of one expert into ``param``.
+
+        ``shard_id`` is ``"w1"`` (gate_proj; up_proj of non-gated experts),
+        ``"w3"`` (up_proj) or ``"w2"`` (down_proj). w1 goes to the first I
+        rows of ``w13_*`` and w3 to the second (the other way round when the
+        layer places [w3; w1] at load); per-shard scalar scales go to the
+        matching column of the [E, 2] tensors (column g = row group g).
+        Tensor parallelism takes rows ``tp_rank * I/tp`` of w1/w3 and the
+        matching columns of w2. Returns False, loading nothing, for an expert
+        this rank does not own (expert parallelism).
+
+        Raises ValueError naming ``weight_name`` on a shape or dtype mismatch.
+        """
+        if shard_id not in ("w1", "w2", "w3"):
+            raise ValueError(f"shard_id must be w1, w2 or w3, got {shard_id!r}")
+        name = next((n for n, p in self.named_parameters() if p is param), None)
+        if name is None:
+            raise ValueError(f"{weight_name}: the parameter is not one of this layer's")
+        if name.startswith("w13_") == (shard_id == "w2"):
+            raise ValueError(f"{weight_name}: shard {shard_id} cannot go into {name}")
+        local = self.map_global_expert(expert_id)
+        if local is None:
+            return False
+        tp, rank = self.moe_config.tp_size, self.moe_config.tp_rank
+        src = loaded_weight
+        if name.endswith(("_weight_scale_2", "_input_scale")):
+            if src.numel() != 1 or not src.is_floating_point():
+                raise ValueError(
+                    f"{weight_name}: expected a floating scalar for {name}, got "
+                    f"{src.dtype} of shape {tuple(src.shape)}"
+                )
+            dest = param.data[local]
+            if name.startswith("w13_"):
+                dest = dest[self._w13_row_group(shard_id)]
+            dest.copy_(src.reshape(()).float())
+            return True
+        if src.dtype != param.dtype:
+            raise ValueError(
+                f"{weight_name}: expected dtype {param.dtype} for {name}, got "
+                f"{src.dtype}"
+            )
+        if name.startswith("w13_"):
+            rows = self.moe_config.intermediate_size_per_partition
+            want = (rows * tp, param.shape[2])
+            if tuple(src.shape) != want:
+                raise ValueError(
+                    f"{weight_name}: expected shape {want} for {name}[{shard_id}], got "
+                    f"{tuple(src.shape)}"
+                )
+            g = self._w13_row_group(shard_id)
+            dest = param.data[local, g * rows : (g + 1) * rows]
+            dest.copy_(src.narrow(0, rank * rows, rows))
+        else:
+            cols = param.shape[2]
+            want = (param.shape[1], cols * tp)
+            if tuple(src.shape) != want:
+                raise ValueError(
+                    f"{weight_name}: expected shape {want} for {name}, got "
+                    f"{tuple(src.shape)}"
+                )
+            param.data[local].copy_(src.narrow(1, rank * cols, cols))
+        return True
 
     def forward(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor
@@ -106,6 +231,11 @@ class FusedMoE(torch.nn.Module):
         topk_weights, topk_ids = fused_topk(
             hidden_states, router_logits, self.top_k, self.renormalize
         )
+        if self.ep_size > 1:
+            # Global -> local expert ids; experts of other ranks become -1.
+            local = topk_ids - self._first_expert
+            owned = (local >= 0) & (local < self.local_num_experts)
+            topk_ids = torch.where(owned, local, torch.full_like(local, -1))
         return self.quant_method.apply(
             self, hidden_states.to(self.params_dtype), topk_weights, topk_ids
         )

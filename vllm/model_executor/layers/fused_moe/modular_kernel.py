@@ -91,6 +91,8 @@ class FusedMoEExperts(ABC):
 
     #: Backend name used by ``FusedMoE(moe_backend=...)``.
     name: str = ""
+    #: Whether the kernel wants gated FC1 weights as [w3; w1] (up first).
+    wants_w3w1: bool = False
 
     def __init__(self, moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
         self.moe = moe
@@ -108,6 +110,12 @@ class FusedMoEExperts(ABC):
     @classmethod
     @abstractmethod
     def supports_activation(cls, activation: MoEActivation) -> Support: ...
+
+    @classmethod
+    def supports_expert_parallel(cls) -> bool:
+        """Whether ``apply`` accepts local expert ids with -1 for experts held
+        by other ranks, producing this rank's partial output."""
+        return False
 
     @classmethod
     def check_supported(

@@ -127,8 +127,11 @@ class ModelOptNvFp4FusedMoE:
             "w2_input_scale": ((e,), torch.float32),
         }
         for name, (shape, dtype) in specs.items():
+            # Global and input scales default to 1 (a checkpoint may omit the
+            # input scales: the b12x kernel quantizes activations dynamically).
+            fill = torch.ones if dtype == torch.float32 else torch.zeros
             param = torch.nn.Parameter(
-                torch.zeros(shape, dtype=dtype, device=device), requires_grad=False
+                fill(shape, dtype=dtype, device=device), requires_grad=False
             )
             layer.register_parameter(name, param)
 

@@ -80,6 +80,12 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
     def is_supported_device(cls, device: torch.device) -> Support:
         return Support.yes()
 
+    @classmethod
+    def supports_expert_parallel(cls) -> bool:
+        # The torch loop skips the -1 ids of other ranks' experts; the kernel
+        # itself does not support expert parallelism with NVFP4 activations.
+        return True
+
     def _decoded_weight(
         self, packed: torch.Tensor, mma: torch.Tensor, expert: int, m: int, k: int
     ) -> torch.Tensor:

@@ -106,6 +106,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
     """
 
     name = "flashinfer_b12x"
+    wants_w3w1 = True
 
     def __init__(
         self,

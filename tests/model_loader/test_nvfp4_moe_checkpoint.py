@@ -1,0 +1,379 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Loading NVFP4 MoE checkpoints (ModelOpt, compressed-tensors) into FusedMoE."""
+
+import json
+
+import pytest
+import torch
+
+from tests.kernels.moe.utils import rel_rms_error
+from tests.kernels.utils import bytes_of
+from vllm.model_executor.layers.fused_moe import fused_topk
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    dequantize_nvfp4,
+    global_scale_from_modelopt,
+)
+from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
+    random_bf16_experts,
+    write_nvfp4_moe_checkpoint,
+)
+from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
+    COMPRESSED_TENSORS,
+    MODELOPT,
+    NVFP4MoECheckpoint,
+)
+
+E, H, I, TOPK = 8, 256, 128, 2  # noqa: E741 (the facts file's names)
+BACKEND = "flashinfer_b12x_emulated"
+
+
+def qwen_config(e=E, h=H, i=I, layers=2):
+    return {
+        "model_type": "qwen3_5_moe_text", "hidden_size": h, "num_hidden_layers": layers,
+        "num_experts": e, "num_experts_per_tok": TOPK, "moe_intermediate_size": i,
+    }  # fmt: skip
+
+
+def write_ckpt(path, fmt=MODELOPT, gated=True, e=E, h=H, i=I, **kwargs):
+    layers = {idx: random_bf16_experts(e, h, i, gated, seed=idx) for idx in (0, 1)}
+    write_nvfp4_moe_checkpoint(path, layers, qwen_config(e, h, i), fmt=fmt,
+                               gated=gated, **kwargs)  # fmt: skip
+    return layers
+
+
+def make_layer(gated=True, place=None, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1,
+               e=E, **kwargs):  # fmt: skip
+    return FusedMoE(
+        num_experts=e, top_k=TOPK, hidden_size=H, intermediate_size=I,
+        activation="silu" if gated else "relu2",
+        quant_config=ModelOptNvFp4Config(), moe_backend=BACKEND, device="cpu",
+        tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size,
+        place_w3w1_at_load=place, **kwargs,
+    )  # fmt: skip
+
+
+def params_bytes(layer):
+    return {
+        n: bytes_of(p.detach().contiguous()).clone()
+        for n, p in layer.named_parameters()
+    }
+
+
+# --- weight_loader -------------------------------------------------------------------
+
+
+def _shard(rows, cols, value, dtype=torch.uint8):
+    return torch.full((rows, cols), value, dtype=torch.uint8).view(dtype)
+
+
+def test_weight_loader_places_shards_and_scalars():
+    layer = make_layer(place=False)
+    gate = _shard(I, H // 2, 1)
+    up = _shard(I, H // 2, 2)
+    assert layer.weight_loader(layer.w13_weight, gate, "gate", "w1", 3)
+    assert layer.weight_loader(layer.w13_weight, up, "up", "w3", 3)
+    assert (layer.w13_weight[3, :I] == 1).all() and (layer.w13_weight[3, I:] == 2).all()
+    layer.weight_loader(layer.w13_weight_scale_2, torch.tensor(0.5), "g", "w1", 3)
+    layer.weight_loader(layer.w13_weight_scale_2, torch.tensor(2.0), "u", "w3", 3)
+    assert layer.w13_weight_scale_2[3].tolist() == [0.5, 2.0]
+    layer.weight_loader(layer.w2_weight_scale_2, torch.tensor([0.25]), "d", "w2", 3)
+    assert layer.w2_weight_scale_2[3].item() == 0.25
+
+    placed = make_layer(place=True)  # [w3; w1] at load
+    placed.weight_loader(placed.w13_weight, gate, "gate", "w1", 0)
+    placed.weight_loader(placed.w13_weight, up, "up", "w3", 0)
+    assert (placed.w13_weight[0, :I] == 2).all() and (
+        placed.w13_weight[0, I:] == 1
+    ).all()
+    placed.weight_loader(placed.w13_weight_scale_2, torch.tensor(0.5), "g", "w1", 0)
+    assert placed.w13_weight_scale_2[0].tolist() == [1.0, 0.5]
+
+
+def test_weight_loader_tensor_parallel():
+    # Full checkpoint tensors, rows/columns numbered so each rank's slice shows.
+    full_w1 = torch.arange(2 * 64, dtype=torch.int64).view(64 * 2, 1).expand(
+        128, H // 2).to(torch.uint8).contiguous()  # fmt: skip
+    full_w2 = (
+        torch.arange(I // 2, dtype=torch.uint8).view(1, -1).expand(H, -1).contiguous()
+    )
+    for rank in (0, 1):
+        layer = make_layer(place=False, tp_rank=rank, tp_size=2)
+        assert layer.w13_weight.shape == (E, I, H // 2)  # 2 * I/2 rows
+        layer.weight_loader(layer.w13_weight, full_w1, "g", "w1", 0)
+        layer.weight_loader(layer.w2_weight, full_w2, "d", "w2", 0)
+        rows = layer.w13_weight[0, : I // 2, 0].tolist()
+        assert rows == list(range(rank * 64, rank * 64 + 64))
+        assert layer.w2_weight[0, 0].tolist() == list(range(rank * 32, rank * 32 + 32))
+
+
+def test_weight_loader_expert_parallel():
+    layer = make_layer(place=False, ep_rank=1, ep_size=2)
+    assert layer.local_num_experts == 4 and layer.w13_weight.shape[0] == 4
+    w = _shard(I, H // 2, 7)
+    assert not layer.weight_loader(layer.w13_weight, w, "g", "w1", 2)  # rank 0's
+    assert (layer.w13_weight == 0).all()
+    assert layer.weight_loader(layer.w13_weight, w, "g", "w1", 5)  # local 1
+    assert (layer.w13_weight[1, :I] == 7).all()
+    assert layer.map_global_expert(4) == 0 and layer.map_global_expert(3) is None
+    # The kernel does not support expert parallelism; the layer says so.
+    from vllm.model_executor.layers.fused_moe.experts import FlashInferB12xExperts
+
+    assert not FlashInferB12xExperts.supports_expert_parallel()
+
+
+def test_weight_loader_errors_name_the_tensor():
+    layer = make_layer(place=False)
+    msg = (r"experts.0.gate_proj.weight: expected shape \(128, 128\) for "
+           r"w13_weight\[w1\], got \(64, 128\)")  # fmt: skip
+    with pytest.raises(ValueError, match=msg):
+        layer.weight_loader(layer.w13_weight, _shard(64, H // 2, 1),
+                            "experts.0.gate_proj.weight", "w1", 0)  # fmt: skip
+    with pytest.raises(ValueError, match="expected dtype torch.float8_e4m3fn"):
+        layer.weight_loader(layer.w13_weight_scale, _shard(I, H // 16, 1), "s", "w1", 0)
+    with pytest.raises(ValueError, match="expected shape"):
+        layer.weight_loader(layer.w2_weight, _shard(H, 3, 1), "d", "w2", 0)
+    with pytest.raises(ValueError, match="floating scalar"):
+        layer.weight_loader(layer.w2_weight_scale_2, torch.ones(2), "d", "w2", 0)
+    with pytest.raises(ValueError, match="shard w2 cannot go into w13_weight"):
+        layer.weight_loader(layer.w13_weight, _shard(I, H // 2, 1), "x", "w2", 0)
+    with pytest.raises(ValueError, match="shard_id must be"):
+        layer.weight_loader(layer.w13_weight, _shard(I, H // 2, 1), "x", "w4", 0)
+    with pytest.raises(ValueError, match="out of range"):
+        layer.weight_loader(layer.w13_weight, _shard(I, H // 2, 1), "x", "w1", E)
+    assert (layer.w13_weight == 0).all()
+
+
+# --- the reader -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("place", [True, False], ids=["place_w3w1", "reorder_after"])
+def test_both_formats_load_the_same_layer(tmp_path, place):
+    write_ckpt(tmp_path / "mo", MODELOPT, max_shard_bytes=64 << 10)
+    write_ckpt(tmp_path / "ct", COMPRESSED_TENSORS)
+    write_ckpt(tmp_path / "mo_cfg", MODELOPT, quant_config_in_config_json=True)
+    loaded = {}
+    for name in ("mo", "ct", "mo_cfg"):
+        ckpt = NVFP4MoECheckpoint(tmp_path / name)
+        assert ckpt.moe_layers == [0, 1]
+        assert (ckpt.num_experts, ckpt.top_k, ckpt.hidden_size) == (E, TOPK, H)
+        layer = make_layer(place=place)
+        ckpt.load_layer(layer, 1)
+        loaded[name] = layer
+    assert NVFP4MoECheckpoint(tmp_path / "ct").format == COMPRESSED_TENSORS
+    assert len(set(NVFP4MoECheckpoint(tmp_path / "mo").weight_map.values())) > 1
+    ref = loaded["mo"]
+    for other in ("ct", "mo_cfg"):
+        for n, p in ref.named_parameters():
+            q = getattr(loaded[other], n)
+            if p.dtype == torch.float32:  # CT stores the inverse: 1/(1/x)
+                torch.testing.assert_close(q, p, rtol=2e-7, atol=0)
+            else:
+                assert torch.equal(bytes_of(q), bytes_of(p)), (other, n)
+    # Per-shard global scales differ between gate and up (separate amax).
+    assert (ref.w13_weight_scale_2[:, 0] != ref.w13_weight_scale_2[:, 1]).any()
+
+
+def test_place_at_load_and_reorder_after_prepare_identically(tmp_path):
+    write_ckpt(tmp_path)
+    ckpt = NVFP4MoECheckpoint(tmp_path)
+    placed, reordered = make_layer(place=True), make_layer(place=False)
+    for layer in (placed, reordered):
+        ckpt.load_layer(layer, 0)
+    assert not torch.equal(placed.w13_weight, reordered.w13_weight)
+    steps = [n for n, _ in placed.quant_method.preparation_steps(placed)]
+    assert steps[1] == "reorder"
+    for layer in (placed, reordered):
+        layer.quant_method.process_weights_after_loading(layer)
+    a, b = params_bytes(placed), params_bytes(reordered)
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def _write_then(tmp_path, mutate):
+    write_ckpt(tmp_path)
+    mutate(tmp_path)
+    return tmp_path
+
+
+def _drop_from_index(path, name):
+    index = path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    del data["weight_map"][name]
+    index.write_text(json.dumps(data))
+
+
+def _set_algo(path, algo):
+    (path / "hf_quant_config.json").write_text(
+        json.dumps({"quantization": {"quant_algo": algo}})
+    )
+
+
+def _truncate(path):
+    f = next(path.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def _corrupt(path):
+    f = next(path.glob("*.safetensors"))
+    f.write_bytes(b"\xff" * 64 + f.read_bytes()[64:])
+
+
+def _more_experts_in_config(path):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_experts"] = E * 2
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+MISSING = "model.layers.0.mlp.experts.5.up_proj.weight_scale"
+# case -> (mutation, expected message, experts of the layer loaded into)
+BAD_CHECKPOINTS = {
+    "missing expert tensor": (
+        lambda p: _drop_from_index(p, MISSING),
+        "missing tensor " + MISSING.replace(".", r"\."), E,
+    ),
+    "unknown algorithm": (
+        lambda p: _set_algo(p, "FP8"), "unsupported ModelOpt quant_algo 'FP8'", E,
+    ),
+    "truncated file": (_truncate, r"model-00001-of-00001\.safetensors", E),
+    "corrupt file": (_corrupt, r"model-00001-of-00001\.safetensors", E),
+    "files vs config expert count": (
+        _more_experts_in_config, "has tensors for 8 experts but config.json says 16",
+        2 * E,
+    ),
+    "layer vs config expert count": (
+        _more_experts_in_config, "config.json has 16 experts, the layer 8", E,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
+def test_bad_checkpoints_raise_clear_errors(tmp_path, case):
+    mutate, message, experts = BAD_CHECKPOINTS[case]
+    _write_then(tmp_path, mutate)
+    layer = make_layer(e=experts)
+    with pytest.raises(ValueError, match=message):
+        NVFP4MoECheckpoint(tmp_path).load_layer(layer, 0)
+
+
+def test_wrong_shape_and_dtype_in_file(tmp_path):
+    write_ckpt(tmp_path / "small", h=128)  # H = 128 in the file, 256 in the layer
+    with pytest.raises(
+        ValueError, match=r"experts\.\d+\.\w+_proj\.weight\w*: expected shape"
+    ):
+        NVFP4MoECheckpoint(tmp_path / "small").load_layer(make_layer(), 0)
+    # A weight stored as int8 instead of uint8.
+    from safetensors.torch import load_file, save_file
+
+    write_ckpt(tmp_path / "dtype")
+    f = next((tmp_path / "dtype").glob("*.safetensors"))
+    tensors = load_file(f)
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    tensors[name] = tensors[name].view(torch.int8)
+    save_file(tensors, f)
+    with pytest.raises(ValueError, match=f"{name}: expected dtype torch.uint8"):
+        NVFP4MoECheckpoint(tmp_path / "dtype").load_layer(make_layer(), 0)
+
+
+def test_not_an_nvfp4_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(qwen_config()))
+    with pytest.raises(ValueError, match="no quantization_config"):
+        NVFP4MoECheckpoint(tmp_path)
+    cfg = qwen_config() | {"quantization_config": {"quant_method": "gptq"}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported quantization method 'gptq'"):
+        NVFP4MoECheckpoint(tmp_path)
+
+
+# --- validation against transformers -------------------------------------------
+
+
+def _dequantized_from_file(ckpt, layer_idx, gated):
+    """BF16-exact float32 [w13 ([gate; up]), w2] decoded from the checkpoint."""
+    parts = {}
+    for _, e, proj, suffix, t in ckpt.iter_layer_tensors(layer_idx):
+        parts[(e, proj, suffix)] = t
+    projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
+
+    def deq(e, proj):
+        return dequantize_nvfp4(
+            parts[(e, proj, "weight")], parts[(e, proj, "weight_scale")],
+            global_scale_from_modelopt(parts[(e, proj, "weight_scale_2")]),
+        )  # fmt: skip
+
+    w13 = torch.stack([torch.cat([deq(e, p) for p in projs]) for e in range(E)])
+    w2 = torch.stack([deq(e, "down_proj") for e in range(E)])
+    return w13, w2
+
+
+def _transformers_experts(gated):
+    pytest.importorskip("transformers")
+    if gated:
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
+            Qwen3_5MoeTextConfig,
+        )
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeExperts,
+        )
+
+        cfg = Qwen3_5MoeTextConfig(hidden_size=H, moe_intermediate_size=I,
+                                   num_experts=E, num_experts_per_tok=TOPK)  # fmt: skip
+        return cfg, Qwen3_5MoeExperts(cfg)
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    cfg = NemotronHConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                          num_experts_per_tok=TOPK)  # fmt: skip
+    return cfg, NemotronHExperts(cfg)
+
+
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
+@pytest.mark.parametrize("gated", [True, False], ids=["qwen3_5_moe", "nemotron_h"])
+def test_matches_transformers_experts(tmp_path, gated, fmt):
+    cfg, experts = _transformers_experts(gated)
+    assert cfg.hidden_size == H
+    # Random weights for transformers' experts, scaled so that every folded
+    # block scale (block amax / 6) stays in FP8's normal range (>= 2^-6).
+    w13, w2 = (4 * w for w in random_bf16_experts(E, H, I, gated, seed=5))
+    first = experts.gate_up_proj if gated else experts.up_proj
+    assert tuple(first.shape) == tuple(w13.shape)
+    # Export to an NVFP4 checkpoint. Power-of-two global scales make the
+    # preparation's scale fold exact, so FusedMoE and transformers compute the
+    # same function on the same (dequantized) weights.
+    block, prefix = ("mlp", "model.layers") if gated else ("mixer", "backbone.layers")
+    write_nvfp4_moe_checkpoint(tmp_path, {3: (w13, w2)}, qwen_config(), fmt=fmt,
+                               gated=gated, block=block, prefix=prefix,
+                               pow2_global_scales=True)  # fmt: skip
+    ckpt = NVFP4MoECheckpoint(tmp_path)
+    assert ckpt.activation == ("silu" if gated else "relu2")
+    layer = make_layer(gated=gated, experts_kwargs={"weights_only": True})
+    ckpt.load_layer(layer, 3, progress=True)
+    layer.quant_method.process_weights_after_loading(layer)
+
+    dw13, dw2 = _dequantized_from_file(ckpt, 3, gated)
+    with torch.no_grad():
+        first.copy_(dw13)
+        experts.down_proj.copy_(dw2)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(32, H, generator=gen).bfloat16()
+    logits = torch.randn(32, E, generator=gen)
+    weights, ids = fused_topk(x, logits, TOPK, renormalize=True)
+    out = layer(x, logits)
+    ref = experts.float()(x.float(), ids.long(), weights)
+    # Tolerance: the two differ only where FusedMoE rounds to BF16 (the
+    # intermediate and the output: 8 significant bits, relative rounding
+    # <= 2^-9 ~ 0.002 each), so the relative RMS error is a few 1e-3 (0.0024).
+    err = rel_rms_error(out, ref)
+    assert err < 0.01, err
+    # Negative control: transformers with the two halves of w13 swapped (gate
+    # and up, or the I rows of a non-gated expert) misses by far.
+    with torch.no_grad():
+        first.copy_(
+            torch.cat([dw13[:, dw13.shape[1] // 2 :], dw13[:, : dw13.shape[1] // 2]], 1)
+        )
+    wrong = experts(x.float(), ids.long(), weights)
+    assert rel_rms_error(out, wrong) > 50 * 0.01

@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Write small NVFP4 MoE checkpoints (ModelOpt or compressed-tensors layout).
+
+For tests and for trying ``vllm bench moe-weight-prep --checkpoint`` without
+a download: BF16 expert weights are quantized with the project's NVFP4
+reference, one global scale per expert and projection (so gate and up get
+different ones), and written as sharded safetensors with an index::
+
+    python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer OUT_DIR \\
+        [--format modelopt|compressed-tensors] [--activation silu|relu2] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    global_scale_to_compressed_tensors,
+    global_scale_to_modelopt,
+    nvfp4_global_scale,
+    quantize_nvfp4,
+)
+from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
+    COMPRESSED_TENSORS,
+    MODELOPT,
+)
+
+__all__ = ["random_bf16_experts", "write_nvfp4_moe_checkpoint"]
+
+
+def _global_scale(w: torch.Tensor, pow2: bool) -> torch.Tensor:
+    gs = nvfp4_global_scale(w.float().abs().amax())
+    if pow2:
+        # The largest power of two not above 448*6/amax: block scales stay
+        # <= 448, and folding this scale into them is exact (an exponent shift).
+        gs = torch.exp2(torch.floor(torch.log2(gs)))
+    return gs
+
+
+def _expert_tensors(w: torch.Tensor, fmt: str, pow2: bool, act_amax: float) -> dict:
+    """NVFP4 tensors of one projection weight [N, K] (suffix -> tensor)."""
+    gs = _global_scale(w, pow2)
+    packed, scale = quantize_nvfp4(w, gs)
+    in_gs = nvfp4_global_scale(torch.tensor(act_amax))
+    if fmt == MODELOPT:
+        return {
+            "weight": packed,
+            "weight_scale": scale,
+            "weight_scale_2": global_scale_to_modelopt(gs).reshape(()),
+            "input_scale": global_scale_to_modelopt(in_gs).reshape(()),
+        }
+    return {
+        "weight_packed": packed,
+        "weight_scale": scale,
+        "weight_global_scale": global_scale_to_compressed_tensors(gs).reshape(1),
+        "input_global_scale": global_scale_to_compressed_tensors(in_gs).reshape(1),
+    }
+
+
+def _quantization_config(fmt: str) -> dict:
+    if fmt == MODELOPT:
+        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    scheme = {
+        "num_bits": 4, "type": "float", "strategy": "tensor_group",
+        "group_size": 16, "symmetric": True, "dynamic": False,
+    }  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": scheme,
+                "input_activations": {**scheme, "dynamic": "local"},
+                "format": "nvfp4-pack-quantized",
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+def write_nvfp4_moe_checkpoint(
+    out_dir: str | Path,
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    config: dict,
+    *,
+    fmt: str = MODELOPT,
+    gated: bool = True,
+    prefix: str = "model.layers",
+    block: str = "mlp",
+    max_shard_bytes: int = 16 << 20,
+    pow2_global_scales: bool = False,
+    act_amax: float = 8.0,
+    quant_config_in_config_json: bool = False,
+) -> Path:
+    """Quantize and write the routed experts of ``layers`` as an NVFP4 checkpoint.
+
+    Args:
+        layers: decoder layer index -> (w13 [E, 2I, H] in [gate; up] order, or
+            [E, I, H] up_proj when not gated; w2 [E, H, I]), any float dtype.
+        config: the model's ``config.json`` contents (hidden size, expert
+            counts, ...); the quantization config is added.
+        fmt: ``"modelopt"`` (``hf_quant_config.json``, or ``config.json``'s
+            ``quantization_config`` with ``quant_config_in_config_json``) or
+            ``"compressed-tensors"`` (``config.json``).
+        gated: w13 holds gate_proj then up_proj; else it is up_proj alone.
+        max_shard_bytes: start a new ``model-XXXXX-of-YYYYY.safetensors`` when
+            a shard would exceed this; an index is always written.
+        pow2_global_scales: round each global scale down to a power of two
+            (a valid checkpoint whose scale fold is exact).
+        act_amax: activation amax recorded as the static input scale.
+
+    Returns the output directory.
+    """
+    if fmt not in (MODELOPT, COMPRESSED_TENSORS):
+        raise ValueError(
+            f"fmt must be {MODELOPT!r} or {COMPRESSED_TENSORS!r}, got {fmt!r}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer_idx, (w13, w2) in sorted(layers.items()):
+        e = w13.shape[0]
+        half = w13.shape[1] // 2
+        for ex in range(e):
+            base = f"{prefix}.{layer_idx}.{block}.experts.{ex}"
+            projs = (
+                {"gate_proj": w13[ex, :half], "up_proj": w13[ex, half:]}
+                if gated
+                else {"up_proj": w13[ex]}
+            )
+            projs["down_proj"] = w2[ex]
+            for proj, w in projs.items():
+                for suffix, t in _expert_tensors(w, fmt, pow2_global_scales,
+                                                 act_amax).items():  # fmt: skip
+                    tensors[f"{base}.{proj}.{suffix}"] = t.contiguous()
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
+        )  # fmt: skip
+    )
+    config = dict(config)
+    if fmt == MODELOPT and not quant_config_in_config_json:
+        (out / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt", "version": "vllm-nvfp4-test-writer"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+                             "exclude_modules": ["lm_head"]},
+        }, indent=2))  # fmt: skip
+    else:
+        config["quantization_config"] = _quantization_config(fmt)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def random_bf16_experts(
+    e: int, hidden: int, inter: int, gated: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random BF16 experts with unit-variance outputs for unit-variance inputs:
+    w13 [E, 2I or I, H] ([gate; up]), w2 [E, H, I]."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * inter if gated else inter
+    w13 = torch.randn(e, rows, hidden, generator=gen) / math.sqrt(hidden)
+    w2 = torch.randn(e, hidden, inter, generator=gen) / math.sqrt(inter)
+    return w13.bfloat16(), w2.bfloat16()
+
+
+def _example_config(args) -> dict:
+    if args.activation == "silu":
+        return {
+            "architectures": ["Qwen3_5MoeForCausalLM"],
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": args.hidden_size,
+            "num_hidden_layers": args.num_layers,
+            "num_experts": args.num_experts,
+            "num_experts_per_tok": args.top_k,
+            "moe_intermediate_size": args.intermediate_size,
+            "hidden_act": "silu",
+        }
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "hidden_size": args.hidden_size,
+        "num_hidden_layers": args.num_layers,
+        "n_routed_experts": args.num_experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.intermediate_size,
+        "mlp_hidden_act": "relu2",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--format", default=MODELOPT,
+                        choices=[MODELOPT, COMPRESSED_TENSORS])  # fmt: skip
+    parser.add_argument("--activation", default="silu", choices=["silu", "relu2"])
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--intermediate-size", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    gated = args.activation == "silu"
+    layers = {
+        i: random_bf16_experts(args.num_experts, args.hidden_size,
+                               args.intermediate_size, gated, args.seed + i)
+        for i in range(args.num_layers)
+    }  # fmt: skip
+    block = "mlp" if gated else "mixer"
+    prefix = "model.layers" if gated else "backbone.layers"
+    out = write_nvfp4_moe_checkpoint(
+        args.out_dir, layers, _example_config(args), fmt=args.format, gated=gated,
+        prefix=prefix, block=block, max_shard_bytes=64 << 20,
+    )  # fmt: skip
+    print(f"wrote an NVFP4 ({args.format}) MoE checkpoint to {out}")
+
+
+if __name__ == "__main__":
+    main()
