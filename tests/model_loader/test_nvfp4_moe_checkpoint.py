@@ -336,11 +336,15 @@ def _transformers_experts(gated):
 def test_matches_transformers_experts(tmp_path, gated, fmt):
     cfg, experts = _transformers_experts(gated)
     assert cfg.hidden_size == H
-    # Random weights for transformers' experts, scaled so that every folded
+    # transformers' experts get random weights, scaled so that every folded
     # block scale (block amax / 6) stays in FP8's normal range (>= 2^-6).
-    w13, w2 = (4 * w for w in random_bf16_experts(E, H, I, gated, seed=5))
     first = experts.gate_up_proj if gated else experts.up_proj
+    w13, w2 = (4 * w for w in random_bf16_experts(E, H, I, gated, seed=5))
     assert tuple(first.shape) == tuple(w13.shape)
+    with torch.no_grad():
+        first.copy_(w13)
+        experts.down_proj.copy_(w2)
+    w13, w2 = first.detach().clone(), experts.down_proj.detach().clone()
     # Export to an NVFP4 checkpoint. Power-of-two global scales make the
     # preparation's scale fold exact, so FusedMoE and transformers compute the
     # same function on the same (dequantized) weights.

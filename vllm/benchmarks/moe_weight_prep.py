@@ -463,10 +463,15 @@ def format_report(result: dict) -> str:
             f"{_mib(bnd['max_transient_bytes']):>15}"
             f"{_secs(leg['total_time_s']):>14}{_secs(bnd['total_time_s']):>15}"
         )
+    total_bytes = result["num_layers"] * result["resident_bytes_per_layer"]
+    lt, bt = s["legacy"]["total"]["total_time_s"], s["bounded"]["total"]["total_time_s"]
     lines += [
         "(peak: the most free memory one layer's step needs above the resident "
         "weights; time: summed over layers)",
         "",
+        f"totals: {result['num_layers']} layers, {_mib(total_bytes)} of expert "
+        f"weights prepared; time legacy {_secs(lt)}, bounded {_secs(bt)}"
+        + (f" ({lt / bt:.1f}x faster)" if lt and bt else ""),
         "free memory needed above the resident weights: legacy "
         f"{_mib(s['legacy']['total']['max_transient_bytes'])}, bounded "
         f"{_mib(s['bounded']['total']['max_transient_bytes'])}",

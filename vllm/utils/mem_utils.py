@@ -40,7 +40,11 @@ class PeakMemory:
 
 
 def _cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    """(time_ns, signed bytes) of every CPU allocator event the profiler saw."""
+    """(time_ns, signed bytes) of every CPU allocator event the profiler saw.
+
+    Reads the profiler's event tree (``experimental_event_tree``, a private
+    torch API; tests/utils/test_mem_utils.py pins its behaviour for the torch
+    this tree installs)."""
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int]] = []

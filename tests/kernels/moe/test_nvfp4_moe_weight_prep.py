@@ -88,19 +88,9 @@ def whole_tensor_preparation(t: dict, gated: bool) -> dict:
     }
 
 
-def _layer(e, h, i, gated, device, cap, top_k=2):
-    return FusedMoE(
-        num_experts=e,
-        top_k=top_k,
-        hidden_size=h,
-        intermediate_size=i,
-        activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config(),
-        moe_backend=BACKEND,
-        device=device,
-        place_w3w1_at_load=False,
-        experts_kwargs={"max_transient_bytes": cap},
-    )
+def _layer(e, h, i, gated, device, cap):
+    return make_nvfp4_layer(e, 2, h, i, gated, BACKEND, device=device,
+                            max_transient_bytes=cap)  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)

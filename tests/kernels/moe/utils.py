@@ -115,7 +115,11 @@ def dequantized_experts(
     return w1, w2
 
 
-def make_nvfp4_layer(e, topk, k, n, gated, backend, **experts_kwargs) -> FusedMoE:
+def make_nvfp4_layer(
+    e, topk, k, n, gated, backend, device="cpu", **experts_kwargs
+) -> FusedMoE:
+    """A FusedMoE NVFP4 layer in checkpoint layout ([w1; w3], no load-time
+    placement), for :func:`load_nvfp4_experts` to copy tensors into."""
     return FusedMoE(
         num_experts=e,
         top_k=topk,
@@ -125,7 +129,7 @@ def make_nvfp4_layer(e, topk, k, n, gated, backend, **experts_kwargs) -> FusedMo
         quant_config=ModelOptNvFp4Config(),
         moe_backend=backend,
         params_dtype=torch.bfloat16,
-        device="cpu",
+        device=device,
         place_w3w1_at_load=False,  # load_nvfp4_experts copies checkpoint layout
         experts_kwargs=experts_kwargs,
     )

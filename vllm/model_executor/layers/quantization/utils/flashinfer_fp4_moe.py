@@ -186,17 +186,7 @@ def reorder_w1w3_to_w3w1(
     _check_tensor("scale", scale)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if isinstance(max_transient_bytes, bool) or not isinstance(
-        max_transient_bytes, int
-    ):
-        raise TypeError(
-            "max_transient_bytes must be an int, got "
-            f"{type(max_transient_bytes).__name__}"
-        )
-    if max_transient_bytes <= 0:
-        raise ValueError(
-            f"max_transient_bytes must be positive, got {max_transient_bytes}"
-        )
+    _check_cap(max_transient_bytes)
     if weight.device != scale.device:
         raise ValueError(
             "weight and scale must be on the same device, got "
