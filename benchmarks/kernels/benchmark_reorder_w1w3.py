@@ -29,6 +29,7 @@ import torch
 from vllm.benchmarks.legacy_moe_prep import clone_chunk_reorder, split_cat_reorder
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS
 from vllm.benchmarks.moe_weight_prep import synthetic_w13
+from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as fp4_moe
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     reorder_w1w3_to_w3w1,
@@ -118,6 +119,32 @@ def bench_model(name: str, device: torch.device, repeats: int, caps: list[int]):
     }
 
 
+def tile_sweep(name: str, device: torch.device, repeats: int, tiles_kib: list[int]):
+    """Median time of the in-place swap for each bounce-buffer size."""
+    preset = MOE_MODEL_PRESETS[name]
+    weight, scale = synthetic_w13(preset, 1, device, seed=0)
+    dst_w, dst_s = torch.empty_like(weight), torch.empty_like(scale)
+    memcpy = _median_time(lambda: (dst_w.copy_(weight), dst_s.copy_(scale)), device,
+                          repeats)  # fmt: skip
+    saved = dict(fp4_moe._TILE_BYTES)
+    rows = []
+    try:
+        for kib in tiles_kib:
+            fp4_moe._TILE_BYTES[device.type] = kib << 10
+            t = _median_time(
+                lambda: reorder_w1w3_to_w3w1(weight, scale), device, repeats
+            )
+            rows.append({"tile_kib": kib, "time_s": t, "ratio_to_memcpy": t / memcpy})
+    finally:
+        fp4_moe._TILE_BYTES.clear()
+        fp4_moe._TILE_BYTES.update(saved)
+    print(f"\ntile sweep, {name} on {device} (memcpy {memcpy * 1e3:.2f} ms)")
+    for r in rows:
+        print(f"  tile {r['tile_kib']:>6} KiB  {r['time_s'] * 1e3:8.2f} ms  "
+              f"{r['ratio_to_memcpy']:.2f}x memcpy")  # fmt: skip
+    return {"model": name, "device": str(device), "memcpy_s": memcpy, "rows": rows}
+
+
 def print_table(result):
     print(
         f"\n{result['model']} on {result['device']}: weight {result['weight_shape']}"
@@ -147,6 +174,11 @@ def main():
         "--caps-kib", nargs="+", type=int, default=[1024, 4096, 16384],
         help="extra max_transient_bytes values, in KiB, beside the 64 MiB default",
     )  # fmt: skip
+    parser.add_argument(
+        "--tile-sweep-kib", nargs="*", type=int, default=None,
+        help="also time the in-place swap with these bounce-buffer sizes (KiB), "
+        "overriding the per-device tile: how the default tile was chosen",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     devices = args.devices or (
@@ -160,9 +192,15 @@ def main():
             result = bench_model(name, torch.device(dev), args.repeats, caps)
             print_table(result)
             results.append(result)
+    sweeps = []
+    for dev in devices if args.tile_sweep_kib else []:
+        for name in args.models:
+            sweeps.append(tile_sweep(name, torch.device(dev), args.repeats,
+                                     args.tile_sweep_kib))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "results": results}, f, indent=2)
+            json.dump({"torch": torch.__version__, "results": results,
+                       "tile_sweeps": sweeps}, f, indent=2)  # fmt: skip
         print(f"\nwrote {args.json}")
 
 

@@ -26,10 +26,10 @@ DEFAULT_MAX_TRANSIENT_BYTES = 64 << 20
 # stays resident in cache, the round trip through it costs no DRAM traffic and
 # the swap approaches one read plus one write of the tensor, i.e. a memcpy.
 # Measured on the 2-core CI machine (1 MiB L2 per core, 32 MiB L3) at the
-# Qwen3.6-35B-A3B layer shape (benchmarks/kernels/benchmark_reorder_w1w3.py):
-#   buffer   64K   128K  256K  512K  1M    2M    4M    8M    16M   64M
-#   ms       42.9  32.5  22.3  18.8  18.1  16.4  17.3  21.4  28.6  31.1
-#   (memcpy of the same bytes: 19.9 ms; clone-per-64MiB-chunk: 167 ms)
+# Qwen3.6-35B-A3B layer shape, as time / memcpy of the same bytes
+# (benchmarks/kernels/benchmark_reorder_w1w3.py --tile-sweep-kib ...):
+#   buffer  64K   128K  256K  512K  1M    2M    4M    8M    16M   64M
+#   x memcpy 4.15 2.32  1.53  1.17  0.88  0.79  0.77  1.02  1.10  2.46
 # Below ~512 KiB the per-chunk dispatch overhead dominates; above the L3-resident
 # range the temporary spills to DRAM and traffic grows to 1.5x. 2 MiB (1 MiB per
 # core when torch splits a copy over two threads) sits on the plateau.
