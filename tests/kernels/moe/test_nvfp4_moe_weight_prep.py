@@ -20,9 +20,8 @@ from vllm.benchmarks.legacy_moe_prep import legacy_fold, legacy_preparation_step
 from vllm.benchmarks.moe_model_presets import get_preset
 from vllm.benchmarks.moe_weight_prep import synthetic_layer_tensors
 from vllm.model_executor.layers.fused_moe import fused_moe
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    blockscale_storage_for_swizzle,
     fold_global_scale_into_blockscale_,
     swizzle_blockscale_bounded,
 )
@@ -115,6 +114,11 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, device
             assert param is before[name], name
     padded = (2 * i if gated else i) % 128 or (h // 16) % 4
     assert (layer.w13_weight_scale is before["w13_weight_scale"]) == (not padded)
+    # Padded or not, the swizzled scales live in the storage the layer was
+    # created with (it had room for the padding): nothing new was allocated.
+    for name in ("w13_weight_scale", "w2_weight_scale"):
+        new, old = getattr(layer, name), before[name]
+        assert new.untyped_storage().data_ptr() == old.untyped_storage().data_ptr()
     # The kernel's views read the same bytes.
     qc = layer.quant_method.experts.quant_config
     assert qc.w1_scale.data_ptr() == layer.w13_weight_scale.data_ptr()
@@ -164,36 +168,57 @@ def _prep_peak(layer, device) -> int:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cap", [64 * MIB, 4 * MIB], ids=["64MiB", "4MiB"])
-def test_whole_preparation_of_a_qwen36_layer_stays_within_cap(cap, device):
-    preset = get_preset("qwen3.6-35b-a3b")
+@pytest.mark.parametrize("model", ["qwen3.6-35b-a3b", "nemotron-3-nano-30b-a3b"])
+def test_whole_preparation_of_a_real_layer_stays_within_cap(model, cap, device):
+    # Qwen3.6-35B-A3B: gated, no padding. Nemotron-3-Nano: relu2, I = 1856
+    # rows, so its w13 block scales need padding to 1920 rows.
+    preset = get_preset(model)
     tensors = synthetic_layer_tensors(preset, 1, torch.device(device), seed=0)
-    layer = FusedMoE(
-        num_experts=preset.num_experts, top_k=preset.top_k,
-        hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
-        quant_config=ModelOptNvFp4Config(), moe_backend=BACKEND, device=device,
-        place_w3w1_at_load=False, experts_kwargs={"max_transient_bytes": cap},
+    layer = make_nvfp4_layer(
+        preset.num_experts, preset.top_k, preset.hidden_size,
+        preset.intermediate_size, preset.is_gated, BACKEND, device=device,
+        max_transient_bytes=cap,
     )  # fmt: skip
     load_nvfp4_experts(layer, tensors)
     peak = _prep_peak(layer, device)
     assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"
 
     # Control: the legacy pipeline on the same layer needs a full copy of w13
-    # (288 MiB) and 4x-size float32 temporaries of the scales.
+    # (288 MiB for Qwen3.6) and 4x-size float32 temporaries of the scales.
     legacy = {k: v.clone() for k, v in tensors.items()}
     peaks = {}
-    for name, step in legacy_preparation_steps(legacy, gated=True):
+    for name, step in legacy_preparation_steps(legacy, gated=preset.is_gated):
         with measure_peak_memory(device) as mem:
             step()
         peaks[name] = mem.peak_bytes
-    assert peaks["reorder"] >= 288 * MIB
-    assert peaks["fold"] >= 4 * 32 * MIB
+    w13_scale_bytes = tensors["w13_weight_scale"].numel()
+    if preset.is_gated:
+        assert peaks["reorder"] >= tensors["w13_weight"].numel() + w13_scale_bytes
+    assert peaks["fold"] >= 4 * w13_scale_bytes
     assert max(peaks.values()) > 4 * cap
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_padded_swizzle_holds_only_the_buffer_beside_its_result(device):
-    # 1856 rows (Nemotron's I) pad to 1920: the result is new; the call's own
-    # transient is the buffer, the padded result is what replaces the source.
+def test_padded_swizzle_in_place_with_room(device):
+    # Nemotron's 1856 rows pad to 1920: with storage made for it, the swizzle
+    # expands in place; the call allocates only its buffer.
+    scale = blockscale_storage_for_swizzle(8, 1856, 116, device=device)
+    scale.view(torch.uint8).copy_(
+        random_bits((8, 1856, 116), torch.uint8, device, seed=43) % 0x70 + 8
+    )
+    want = swizzle_blockscale(scale.cpu())
+    cap = 256 << 10
+    with measure_peak_memory(device) as mem:
+        out = swizzle_blockscale_bounded(scale, max_transient_bytes=cap)
+    assert mem.peak_bytes <= cap
+    assert out.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
+    assert torch.equal(bytes_of(out.cpu()), bytes_of(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_swizzle_without_room_allocates_only_its_result(device):
+    # A plain [E, 1856, 116] tensor has no room for 1920 rows: the padded
+    # result is new (it replaces the source); besides it, only the buffer.
     scale = random_bits((8, 1856, 116), torch.uint8, device, seed=41)
     scale = (scale % 0x70 + 8).view(torch.float8_e4m3fn)
     cap = 1 * MIB

@@ -93,6 +93,9 @@ class FusedMoEExperts(ABC):
     name: str = ""
     #: Whether the kernel wants gated FC1 weights as [w3; w1] (up first).
     wants_w3w1: bool = False
+    #: Whether the preparation swizzles the FP8 block scales (128x4): the
+    #: scale parameters are then created with room for the padded result.
+    swizzles_block_scales: bool = False
 
     def __init__(self, moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
         self.moe = moe

@@ -18,6 +18,9 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEKernel,
     MoEPrepareAndFinalizeNoEP,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    blockscale_storage_for_swizzle,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     NVFP4_BLOCK_SIZE,
 )
@@ -127,13 +130,22 @@ class ModelOptNvFp4FusedMoE:
             "w2_input_scale": ((e,), torch.float32),
         }
         for name, (shape, dtype) in specs.items():
-            # Global and input scales default to 1 (a checkpoint may omit the
-            # input scales: the b12x kernel quantizes activations dynamically).
-            fill = torch.ones if dtype == torch.float32 else torch.zeros
-            param = torch.nn.Parameter(
-                fill(shape, dtype=dtype, device=device), requires_grad=False
+            if (
+                name.endswith("_weight_scale")
+                and self.experts_cls.swizzles_block_scales
+            ):
+                # Storage with room for the swizzled, padded scales: the
+                # preparation then swizzles in place whatever the shape.
+                data = blockscale_storage_for_swizzle(*shape, device=device)
+            elif dtype == torch.float32:
+                # Global and input scales default to 1 (a checkpoint may omit
+                # input scales: b12x quantizes activations dynamically).
+                data = torch.ones(shape, dtype=dtype, device=device)
+            else:
+                data = torch.zeros(shape, dtype=dtype, device=device)
+            layer.register_parameter(
+                name, torch.nn.Parameter(data, requires_grad=False)
             )
-            layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Prepare the loaded parameters for the selected experts, once."""

@@ -20,12 +20,12 @@ what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
 2. reorder (gated only): ``reorder_w1w3_to_w3w1`` on the weight and the
    linear scales, before any swizzle (a half swap is only valid on the
    swizzled layout when I is a multiple of 128);
-3. swizzle: in place when no padding is needed, else into a padded result
-   filled 128 rows at a time;
+3. swizzle: in place, 128 rows at a time, padding included (the scale
+   parameters are created with room for it: ``swizzles_block_scales``);
 4. MMA-layout views of the swizzled scales, alphas, FC2 input scale.
 
-Every step allocates at most ``max_transient_bytes`` (apart from a padded
-swizzle result, which replaces its source).
+Every step allocates at most ``max_transient_bytes``. (Scale parameters
+made without room for the padding get a new padded tensor instead.)
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
     name = "flashinfer_b12x"
     wants_w3w1 = True
+    swizzles_block_scales = True
 
     def __init__(
         self,

@@ -13,6 +13,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 
 __all__ = [
     "DEFAULT_MAX_TRANSIENT_BYTES",
+    "blockscale_storage_for_swizzle",
     "fold_global_scale_into_blockscale_",
     "reorder_w1w3_to_w3w1",
     "swizzle_blockscale_bounded",
@@ -328,6 +329,25 @@ def fold_global_scale_into_blockscale_(
     return scale
 
 
+def blockscale_storage_for_swizzle(
+    e: int, r: int, c: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """A float8_e4m3fn [E, R, C] tensor (zeros) whose storage already has room
+    for its swizzled, padded [E, Rp, Cp] form, so that
+    :func:`swizzle_blockscale_bounded` can swizzle it in place even when
+    padding is needed. The extra bytes are the padding the kernel needs
+    anyway."""
+    rp, cp = swizzled_blockscale_shape(r, c)
+    flat = torch.zeros(max(e * rp * cp, 1), dtype=torch.float8_e4m3fn, device=device)
+    return flat[: e * r * c].view(e, r, c)
+
+
+def _storage_view(t: torch.Tensor, numel: int) -> torch.Tensor:
+    """A 1-D uint8 view of ``numel`` bytes of ``t``'s storage from its offset."""
+    out = torch.empty(0, dtype=torch.uint8, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), (numel,))
+
+
 def swizzle_blockscale_bounded(
     scale: torch.Tensor,
     *,
@@ -335,21 +355,23 @@ def swizzle_blockscale_bounded(
 ) -> torch.Tensor:
     """Swizzle block scales [E, R, C] into the 128x4 layout with bounded memory.
 
-    Produces the same bytes as
-    :func:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils.swizzle_blockscale`.
+    Produces the bytes of
+    :func:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils.swizzle_blockscale`
+    (rows padded to Rp, a multiple of 128, and columns to Cp, a multiple of 4).
 
-    * R % 128 == 0 and C % 4 == 0 (no padding): in place. In the 128x4 layout
-      each group of 128 rows maps onto exactly the bytes it occupied in the
-      linear layout, so groups are rearranged a few at a time through one
-      reused buffer; ``scale`` itself is returned, shape unchanged.
+    * In place, when ``scale``'s storage has room for [E, Rp, Cp] from its
+      offset: always when no padding is needed, and for tensors made by
+      :func:`blockscale_storage_for_swizzle`. Groups of 128 rows are moved
+      from the last to the first: a group's swizzled bytes start at or after
+      its linear bytes, so only groups already moved are overwritten. Each
+      group goes through one reused buffer. Returns a [E, Rp, Cp] view of the
+      same storage (``scale`` itself when no padding is needed).
     * Otherwise: the padded result [E, Rp, Cp] is allocated once (it replaces
-      ``scale``: the caller drops the source afterwards) and filled one group
-      of 128 rows at a time from the source through the buffer, padding with
-      zeros. The result is returned; ``scale`` is left unchanged.
+      ``scale``, which the caller then drops) and filled group by group from
+      the source through the buffer; ``scale`` is left unchanged.
 
-    Apart from a padded result, at most ``max_transient_bytes`` is
-    allocated; the in-place path needs at least one group of 128 rows
-    (128 * C bytes) to fit, and raises ValueError otherwise.
+    Apart from such a result, at most ``max_transient_bytes`` is allocated;
+    one group of 128 rows (128 * Cp bytes) must fit, else ValueError.
     """
     _check_blockscale("scale", scale)
     cap = _check_cap(max_transient_bytes)
@@ -364,36 +386,35 @@ def swizzle_blockscale_bounded(
         )
     if scale.numel() == 0:
         return scale
+    groups = rp // 128  # per expert
     per = max(1, min(cap, _tile_bytes(scale.device)) // group_bytes)
-    src = scale.view(torch.uint8)
+    per = min(per, groups)
+    padded = (rp, cp) != (r, c)
+    room = scale.untyped_storage().nbytes() - scale.storage_offset()
+    in_place = room >= e * rp * cp
     with torch.no_grad():
-        if (rp, cp) == (r, c):
-            groups = e * r // 128
-            per = min(per, groups)
-            buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
-            tiles = src.view(
-                groups, 4, 32, c // 4, 4
-            )  # (inner_m, outer_m, k_t, inner_k)
-            flat = src.view(groups, group_bytes)
-            for start in range(0, groups, per):
-                k = min(per, groups - start)
-                tmp = buf[: k * group_bytes].view(k, c // 4, 32, 4, 4)
-                tmp.copy_(tiles[start : start + k].permute(0, 3, 2, 1, 4))
-                flat[start : start + k].copy_(tmp.view(k, group_bytes))
-            return scale
-        out = torch.empty((e, rp, cp), dtype=torch.uint8, device=scale.device)
-        groups_per_expert = rp // 128
-        per = min(per, groups_per_expert)
+        if in_place:
+            flat = _storage_view(scale, e * rp * cp)
+            src = flat[: e * r * c].view(e, r, c)
+            dst = flat.view(e, groups, group_bytes)
+            order = [(i, g) for i in reversed(range(e))
+                     for g in reversed(range(0, groups, per))]  # fmt: skip
+        else:
+            src = scale.view(torch.uint8)
+            dst = torch.empty((e, groups, group_bytes), dtype=torch.uint8,
+                              device=scale.device)  # fmt: skip
+            order = [(i, g) for i in range(e) for g in range(0, groups, per)]
         buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
-        out_groups = out.view(e, groups_per_expert, group_bytes)
-        for i in range(e):
-            for start in range(0, groups_per_expert, per):
-                k = min(per, groups_per_expert - start)
-                rows = min(r, (start + k) * 128) - start * 128
-                pad = buf[: k * group_bytes].view(k * 128, cp)
+        for i, start in order:
+            k = min(per, groups - start)
+            rows = min(r, (start + k) * 128) - start * 128
+            pad = buf[: k * group_bytes].view(k * 128, cp)
+            if padded:
                 pad.zero_()
-                if rows > 0:
-                    pad[:rows, :c].copy_(src[i, start * 128 : start * 128 + rows])
-                swz = pad.view(k, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
-                out_groups[i, start : start + k].view(k, cp // 4, 32, 4, 4).copy_(swz)
-        return out.view(torch.float8_e4m3fn)
+            # Read the whole chunk before writing any of its destination.
+            pad[:rows, :c].copy_(src[i, start * 128 : start * 128 + rows])
+            swz = pad.view(k, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
+            dst[i, start : start + k].view(k, cp // 4, 32, 4, 4).copy_(swz)
+        if in_place and not padded:
+            return scale
+        return dst.view(e, rp, cp).view(torch.float8_e4m3fn)
