@@ -389,3 +389,22 @@ def test_against_torchao_to_blocked(shape):
     gen = torch.Generator().manual_seed(7)
     scale = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
     assert torch.equal(swizzle_blockscale(scale).reshape(-1), to_blocked(scale))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None,
+    reason="flashinfer-python (GPU extra, requirements/cuda.txt) is not installed",
+)
+@pytest.mark.parametrize("m,k,e", [(256, 256, 2), (128, 512, 3), (200, 160, 2)])
+def test_against_flashinfer_mma_layout(m, k, e):
+    try:
+        from flashinfer.cute_dsl.utils import convert_sf_to_mma_layout
+    except ImportError as err:  # its CuTe DSL dependency may be missing
+        pytest.skip(f"flashinfer.cute_dsl is not importable: {err}")
+    gen = torch.Generator().manual_seed(8)
+    scale = torch.randint(0, 256, (e, m, k // 16), dtype=torch.uint8, generator=gen)
+    sw = swizzle_blockscale(scale)
+    ours = blockscale_mma_layout_view(sw, m, k, e)
+    theirs = convert_sf_to_mma_layout(sw.reshape(-1, sw.shape[-1]), m, k, e)
+    assert ours.shape == theirs.shape and ours.stride() == theirs.stride()
+    assert torch.equal(ours.contiguous(), theirs.contiguous())
