@@ -3,7 +3,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
 # The CUDA checks of the generic paths, for a lent GPU (any CUDA device; the
-# b12x kernel itself needs SM120/121). Runs in well under 5 minutes:
+# b12x kernel itself needs SM120/121). Sized for a few minutes (each part has a
+# timeout: 150 s, 60 s, 60 s); not yet timed on a GPU:
 #   1. the CUDA-parametrized tests (reorder, meter, NVFP4 reference, the whole
 #      preparation) — skipped on CPU;
 #   2. the reorder benchmark on cuda (Qwen3.6-35B-A3B and DeepSeek-V3 shapes);

@@ -9,6 +9,7 @@ import torch
 
 from tests.kernels.moe.utils import rel_rms_error
 from tests.kernels.utils import bytes_of
+from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -376,8 +377,6 @@ def test_matches_transformers_experts(tmp_path, gated, fmt):
     # Negative control: transformers with the two halves of w13 swapped (gate
     # and up, or the I rows of a non-gated expert) misses by far.
     with torch.no_grad():
-        first.copy_(
-            torch.cat([dw13[:, dw13.shape[1] // 2 :], dw13[:, : dw13.shape[1] // 2]], 1)
-        )
+        first.copy_(split_cat_halves(dw13, dim=1))
     wrong = experts(x.float(), ids.long(), weights)
     assert rel_rms_error(out, wrong) > 50 * 0.01

@@ -19,11 +19,20 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 
 __all__ = [
     "clone_chunk_reorder",
+    "split_cat_halves",
     "legacy_fold",
     "legacy_preparation_steps",
     "legacy_swizzle",
     "split_cat_reorder",
 ]
+
+
+def split_cat_halves(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    """A NEW tensor with the two halves of ``t`` along ``dim`` swapped,
+    built with split + cat: ``[a; b] -> [b; a]``. Also the tests' independent
+    reference for the in-place reorder."""
+    first, second = t.chunk(2, dim=dim)
+    return torch.cat([second, first], dim=dim).contiguous()
 
 
 def split_cat_reorder(
@@ -34,12 +43,7 @@ def split_cat_reorder(
     Peak: one full copy of ``weight`` and of ``scale`` alive beside the
     originals.
     """
-    w1, w3 = weight.chunk(2, dim=dim)
-    s1, s3 = scale.chunk(2, dim=dim)
-    return (
-        torch.cat([w3, w1], dim=dim).contiguous(),
-        torch.cat([s3, s1], dim=dim).contiguous(),
-    )
+    return split_cat_halves(weight, dim), split_cat_halves(scale, dim)
 
 
 def clone_chunk_reorder(

@@ -19,6 +19,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
+from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe import (
     FusedMoEQuantConfig,
     MoEActivation,
@@ -82,9 +83,8 @@ WEIGHTS_ONLY_CONTROL_MARGIN = 5.0
 
 
 def _swap_gate_up(w1: torch.Tensor) -> torch.Tensor:
-    """[gate; up] -> [up; gate] on a new tensor (test-side, by slicing)."""
-    n = w1.shape[1] // 2
-    return torch.cat([w1[:, n:], w1[:, :n]], dim=1)
+    """[gate; up] -> [up; gate] on a new tensor (split + cat, not the reorder)."""
+    return split_cat_halves(w1, dim=1)
 
 
 def _prepared_layer(tensors, e, topk, k, n, gated, backend, **kwargs):

@@ -13,10 +13,13 @@ from tests.kernels.moe.utils import (
     make_nvfp4_layer,
     quantize_experts_modelopt,
     rel_rms_error,
-    split_cat_reference,
 )
 from tests.kernels.utils import DEVICES, bytes_of, random_bits
-from vllm.benchmarks.legacy_moe_prep import legacy_fold, legacy_preparation_steps
+from vllm.benchmarks.legacy_moe_prep import (
+    legacy_fold,
+    legacy_preparation_steps,
+    split_cat_halves,
+)
 from vllm.benchmarks.moe_model_presets import get_preset
 from vllm.benchmarks.moe_weight_prep import synthetic_layer_tensors
 from vllm.model_executor.layers.fused_moe import fused_moe
@@ -76,7 +79,7 @@ def whole_tensor_preparation(t: dict, gated: bool) -> dict:
     s2 = fold_reference(t["w2_weight_scale"].cpu(), t["w2_weight_scale_2"].cpu())
     w13 = t["w13_weight"].cpu()
     if gated:
-        w13, s13 = split_cat_reference(w13, -2), split_cat_reference(s13, -2)
+        w13, s13 = split_cat_halves(w13, -2), split_cat_halves(s13, -2)
     return {
         "w13_weight": w13,
         "w13_weight_scale": swizzle_blockscale(s13),

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.kernels.moe.utils import split_cat_reference
 from tests.kernels.utils import DEVICES, bytes_of, random_bits
+from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     reorder_w1w3_to_w3w1,
@@ -47,8 +47,8 @@ CAPS = [1, 7, 96, 4096, DEFAULT_MAX_TRANSIENT_BYTES]
 
 
 def assert_reorders_exactly(weight, scale, dim, **kwargs):
-    want_w = split_cat_reference(weight, dim)
-    want_s = split_cat_reference(scale, dim)
+    want_w = split_cat_halves(weight, dim)
+    want_s = split_cat_halves(scale, dim)
     ptrs = (weight.data_ptr(), scale.data_ptr())
     strides = (weight.stride(), scale.stride())
     out_w, out_s = reorder_w1w3_to_w3w1(weight, scale, dim, **kwargs)
@@ -130,7 +130,7 @@ def test_views_of_the_parameters_see_the_swap():
         random_bits((2, 4, 1), torch.uint8, "cpu", seed=10), requires_grad=False
     )
     view = weight.data[:, :2]
-    want = split_cat_reference(weight.detach(), -2)
+    want = split_cat_halves(weight.detach(), -2)
     out_w, out_s = reorder_w1w3_to_w3w1(weight, scale)
     assert out_w is weight and out_s is scale
     assert torch.equal(bytes_of(view), bytes_of(want[:, :2].contiguous()))
@@ -162,11 +162,11 @@ def test_peak_memory_within_cap_at_qwen36_shape(device, cap):
         reorder_w1w3_to_w3w1(weight, scale, max_transient_bytes=cap)
     assert 0 < mem.peak_bytes <= cap
     assert mem.net_bytes == 0
-    assert torch.equal(bytes_of(weight[0]), split_cat_reference(head_w, 0))
+    assert torch.equal(bytes_of(weight[0]), split_cat_halves(head_w, 0))
 
     # Control: the meter sees the pre-change split+cat's full copy (288 MiB).
     with measure_peak_memory(device) as legacy:
-        out = (split_cat_reference(weight, -2), split_cat_reference(scale, -2))
+        out = (split_cat_halves(weight, -2), split_cat_halves(scale, -2))
     del out
     full = weight.numel() * weight.element_size() + scale.numel()
     assert legacy.peak_bytes >= full > 4 * cap

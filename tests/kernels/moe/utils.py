@@ -23,14 +23,7 @@ __all__ = [
     "make_nvfp4_layer",
     "quantize_experts_modelopt",
     "rel_rms_error",
-    "split_cat_reference",
 ]
-
-
-def split_cat_reference(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """The pre-change reorder, test-side: a new tensor [w3; w1] by split+cat."""
-    w1, w3 = t.chunk(2, dim=dim)
-    return torch.cat([w3, w1], dim=dim).contiguous()
 
 
 def fold_reference(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-__all__ = ["fused_experts", "fused_moe", "fused_topk"]
+__all__ = ["expand_routes", "fused_experts", "fused_moe", "fused_topk"]
 
 
 def fused_topk(
@@ -49,6 +49,16 @@ def fused_topk(
     return topk_weights, topk_ids.to(torch.int32)
 
 
+def expand_routes(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flatten [T, K] routes into (expert id, token, weight), each [T*K]:
+    int64, int64, float32. Bookkeeping only: which token goes where."""
+    t, k = topk_ids.shape
+    tokens = torch.arange(t, device=topk_ids.device).repeat_interleave(k)
+    return topk_ids.reshape(-1).long(), tokens, topk_weights.reshape(-1).float()
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -84,11 +94,7 @@ def fused_experts(
             f"{act.fc1_rows(w2.shape[2])}"
         )
     out = torch.zeros((t, h), dtype=torch.float32, device=hidden_states.device)
-    flat_ids = topk_ids.reshape(-1).long()  # [T*K]
-    flat_tokens = torch.arange(t, device=hidden_states.device).repeat_interleave(
-        topk_ids.shape[1]
-    )  # [T*K]
-    flat_weights = topk_weights.reshape(-1).float()  # [T*K]
+    flat_ids, flat_tokens, flat_weights = expand_routes(topk_ids, topk_weights)
     for e in flat_ids.unique().tolist():
         sel = flat_ids == e
         tokens = flat_tokens[sel]  # [n]

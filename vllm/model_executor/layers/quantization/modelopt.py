@@ -46,25 +46,6 @@ class ModelOptNvFp4Config:
         self.group_size = group_size
         self.exclude_modules = list(exclude_modules or [])
 
-    @classmethod
-    def get_name(cls) -> str:
-        return "modelopt_fp4"
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelOptNvFp4Config:
-        """From ``hf_quant_config.json`` (``{"quantization": {...}}``) or a
-        ``config.json`` ``quantization_config`` dict."""
-        quant = config.get("quantization", config)
-        algo = str(quant.get("quant_algo", "")).upper()
-        if algo != "NVFP4":
-            raise ValueError(
-                f"ModelOpt quant_algo {quant.get('quant_algo')!r} is not NVFP4"
-            )
-        return cls(
-            group_size=int(quant.get("group_size", NVFP4_BLOCK_SIZE)),
-            exclude_modules=quant.get("exclude_modules"),
-        )
-
     def get_quant_method(self, layer: torch.nn.Module, prefix: str = ""):
         from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 

@@ -41,6 +41,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     FlashInferB12xExperts,
 )
+from vllm.model_executor.layers.fused_moe.fused_moe import expand_routes
 from vllm.model_executor.layers.fused_moe.modular_kernel import Support
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
@@ -102,11 +103,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
         inter = moe.intermediate_size_per_partition
         rows = moe.w13_rows
         out = torch.zeros((t, h), dtype=torch.float32, device=hidden_states.device)
-        flat_ids = topk_ids.reshape(-1).long()  # [T*K]
-        flat_tokens = torch.arange(t, device=hidden_states.device).repeat_interleave(
-            topk_ids.shape[1]
-        )  # [T*K]
-        flat_weights = topk_weights.reshape(-1).float()  # [T*K]
+        flat_ids, flat_tokens, flat_weights = expand_routes(topk_ids, topk_weights)
         a1_gscale = 1.0 if qc.a1_gscale is None else qc.a1_gscale
         for e in flat_ids.unique().tolist():
             if e < 0:
