@@ -185,7 +185,7 @@ def test_place_at_load_and_reorder_after_prepare_identically(tmp_path):
         ckpt.load_layer(layer, 0)
     assert not torch.equal(placed.w13_weight, reordered.w13_weight)
     steps = [n for n, _ in placed.quant_method.preparation_steps(placed)]
-    assert steps[1] == "reorder"
+    assert "reorder" in steps
     for layer in (placed, reordered):
         layer.quant_method.process_weights_after_loading(layer)
     a, b = params_bytes(placed), params_bytes(reordered)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -12,6 +13,9 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts import get_nvfp4_experts_class
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    check_blockscale_values,
+)
 
 __all__ = ["FusedMoE"]
 
@@ -172,7 +176,16 @@ class FusedMoE(torch.nn.Module):
         matching columns of w2. Returns False, loading nothing, for an expert
         this rank does not own (expert parallelism).
 
-        Raises ValueError naming ``weight_name`` on a shape or dtype mismatch.
+        Reloading into a prepared layer (RL weight updates, sleep-mode
+        wake-up) is supported: the first call returns the layer to its load
+        layout, in place and within the preparation's cap
+        (``quant_method.restore_load_layout``), so the new weights land where
+        a fresh layer would have them; prepare again afterwards. ``param``
+        may be the parameter object of the prepared layer.
+
+        Raises ValueError naming ``weight_name`` on a shape or dtype mismatch,
+        a global or input scale that is not finite and positive, or a block
+        scale that is NaN or negative; nothing is written then.
         """
         if shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"shard_id must be w1, w2 or w3, got {shard_id!r}")
@@ -186,12 +199,26 @@ class FusedMoE(torch.nn.Module):
             return False
         tp, rank = self.moe_config.tp_size, self.moe_config.tp_rank
         src = loaded_weight
-        if name.endswith(("_weight_scale_2", "_input_scale")):
-            if src.numel() != 1 or not src.is_floating_point():
+        scalar = name.endswith(("_weight_scale_2", "_input_scale"))
+        if scalar and (src.numel() != 1 or not src.is_floating_point()):
+            raise ValueError(
+                f"{weight_name}: expected a floating scalar for {name}, got "
+                f"{src.dtype} of shape {tuple(src.shape)}"
+            )
+        if scalar:
+            value = float(src.reshape(()).float())
+            if not (math.isfinite(value) and value > 0):
                 raise ValueError(
-                    f"{weight_name}: expected a floating scalar for {name}, got "
-                    f"{src.dtype} of shape {tuple(src.shape)}"
+                    f"{weight_name}: {name} of expert {expert_id} is {value}; "
+                    "global and input scales must be finite and positive"
                 )
+        elif name.endswith("_weight_scale") and src.dtype == param.dtype:
+            check_blockscale_values(weight_name, src.reshape(1, -1),
+                                    first_expert=expert_id)  # fmt: skip
+        # A prepared layer goes back to the load layout before anything lands.
+        self.quant_method.restore_load_layout(self)
+        param = getattr(self, name)
+        if scalar:
             dest = param.data[local]
             if name.startswith("w13_"):
                 dest = dest[self._w13_row_group(shard_id)]

@@ -18,6 +18,10 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEKernel,
     MoEPrepareAndFinalizeNoEP,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    PrepStatus,
+    get_prep_state,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     blockscale_storage_for_swizzle,
 )
@@ -86,7 +90,11 @@ class ModelOptNvFp4FusedMoE:
         self.moe = moe
         self.experts_cls = get_nvfp4_experts_class(backend)
         self.experts_kwargs = experts_kwargs
-        self.experts = None
+        # One experts object for the layer's lifetime: it holds the kernel's
+        # views of the prepared weights, which a re-preparation updates.
+        self.experts = self.experts_cls(
+            moe, FusedMoEQuantConfig(quant_dtype="nvfp4"), **experts_kwargs
+        )
         self.kernel: FusedMoEKernel | None = None
 
     def create_weights(self, layer: torch.nn.Module, device: torch.device) -> None:
@@ -110,6 +118,7 @@ class ModelOptNvFp4FusedMoE:
             "w2_weight_scale_2": ((e,), torch.float32),
             "w2_input_scale": ((e,), torch.float32),
         }
+        state = get_prep_state(layer)
         for name, (shape, dtype) in specs.items():
             if (
                 name.endswith("_weight_scale")
@@ -118,6 +127,7 @@ class ModelOptNvFp4FusedMoE:
                 # Storage with room for the swizzled, padded scales: the
                 # preparation then swizzles in place whatever the shape.
                 data = blockscale_storage_for_swizzle(*shape, device=device)
+                state.record_storage_room(name, data)
             elif dtype == torch.float32:
                 # Global and input scales default to 1 (a checkpoint may omit
                 # input scales: b12x quantizes activations dynamically).
@@ -129,7 +139,10 @@ class ModelOptNvFp4FusedMoE:
             )
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Prepare the loaded parameters for the selected experts, once."""
+        """Prepare the loaded parameters for the selected experts.
+
+        A no-op on a prepared layer; resumes an interrupted preparation (see
+        :mod:`~vllm.model_executor.layers.fused_moe.weight_prep_state`)."""
         for _, step in self.preparation_steps(layer):
             step()
 
@@ -138,14 +151,16 @@ class ModelOptNvFp4FusedMoE:
     ) -> list[tuple[str, Callable[[], None]]]:
         """``process_weights_after_loading`` as named steps (for benchmarks):
         the experts' own steps, then building the kernel."""
-        self.experts = self.experts_cls(
-            self.moe, FusedMoEQuantConfig(quant_dtype="nvfp4"), **self.experts_kwargs
-        )
 
         def build_kernel() -> None:
-            self.kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), self.experts)
+            if self.kernel is None:
+                self.kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), self.experts)
 
         return [*self.experts.preparation_steps(layer), ("kernel", build_kernel)]
+
+    def restore_load_layout(self, layer: torch.nn.Module) -> None:
+        """Return the layer to the layout ``weight_loader`` writes (a reload)."""
+        self.experts.restore_load_layout(layer)
 
     def apply(
         self,
@@ -154,11 +169,23 @@ class ModelOptNvFp4FusedMoE:
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
-        if self.kernel is None:
+        state = get_prep_state(layer)
+        if self.kernel is None or state.status is not PrepStatus.PREPARED:
+            if state.status is PrepStatus.PREPARING:
+                why = (
+                    f"its preparation was interrupted after {state.done}: call "
+                    "quant_method.process_weights_after_loading(layer) again to "
+                    "complete it"
+                )
+            elif state.status is PrepStatus.RESTORING:
+                why = "it was being returned to the load layout for a reload"
+            else:
+                why = "its weights are in the load layout"
             raise RuntimeError(
                 "FusedMoE layer used before quant_method."
-                "process_weights_after_loading(layer) prepared its weights"
+                f"process_weights_after_loading(layer) prepared its weights: {why}"
             )
+        state.check_unchanged(layer)
         return self.kernel(
             hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
         )

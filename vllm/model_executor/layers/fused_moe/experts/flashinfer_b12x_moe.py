@@ -45,11 +45,17 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Support,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    PrepStatus,
+    get_prep_state,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+    check_blockscale_values,
     fold_global_scale_into_blockscale_,
     reorder_w1w3_to_w3w1,
     swizzle_blockscale_bounded,
+    unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
@@ -89,13 +95,35 @@ def is_flashinfer_b12x_moe_available() -> Support:
 
 
 def _replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
-    old = getattr(layer, name)
-    if value is old:
-        return
-    delattr(layer, name)
-    layer.register_parameter(
-        name, torch.nn.Parameter(value, requires_grad=old.requires_grad)
-    )
+    """Make ``value`` (e.g. a padded view of the same storage) the data of the
+    parameter ``name``. The Parameter object stays the same, so references
+    taken before (a loader's ``dict(named_parameters())``) stay valid."""
+    param = getattr(layer, name)
+    if value is not param:
+        param.data = value
+
+
+def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
+    """ValueError naming the parameter and expert of a global or input scale
+    that is not finite and positive (scales set in memory, not loaded)."""
+    first = "w3" if getattr(layer, "w13_loaded_as_w3w1", False) else "w1"
+    shards = {"w13": (first, "w1" if first == "w3" else "w3"), "w2": ("w2",)}
+    for prefix in ("w13", "w2"):
+        for suffix in ("weight_scale_2", "input_scale"):
+            name = f"{prefix}_{suffix}"
+            t = getattr(layer, name, None)
+            if t is None:
+                continue
+            values = t.detach().float().reshape(t.shape[0], -1)  # [E, G], tiny
+            bad = ~(torch.isfinite(values) & (values > 0))
+            if bool(bad.any()):
+                e, g = (int(i) for i in bad.nonzero()[0])
+                shard = shards[prefix][g] if values.shape[1] > 1 else prefix
+                raise ValueError(
+                    f"{name} of expert {first_expert + e} ({shard}) is "
+                    f"{values[e, g].item()}: global and input scales must be "
+                    "finite and positive"
+                )
 
 
 class FlashInferB12xExperts(FusedMoEExperts):
@@ -145,35 +173,63 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """Prepare ``layer``'s NVFP4 parameters for b12x (see module doc).
 
         Parameters keep their identity where their shape does not change;
-        padded swizzled scales replace their parameter. Skips the reorder
-        when the loader already placed w13 as [w3; w1]
-        (``layer.w13_loaded_as_w3w1``).
+        padded swizzled scales replace their parameter (a view of the same
+        storage when it was made with room). Skips the reorder when the
+        loader already placed w13 as [w3; w1] (``layer.w13_loaded_as_w3w1``).
+
+        Safe to call again: on a prepared layer it changes nothing; after an
+        exception it resumes (steps done are skipped, the interrupted one
+        continues from its last whole chunk) and gives the bytes of an
+        uninterrupted preparation. See ``weight_prep_state``.
         """
         for _, step in self.preparation_steps(layer):
             step()
+
+    def _scale_geometry(self, prefix: str) -> tuple[int, int, int]:
+        moe = self.moe
+        if prefix == "w13":
+            return moe.num_experts, moe.w13_rows, moe.hidden_dim // 16
+        inter = moe.intermediate_size_per_partition
+        return moe.num_experts, moe.hidden_dim, inter // 16
 
     def preparation_steps(
         self, layer: torch.nn.Module
     ) -> list[tuple[str, Callable[[], None]]]:
         """The preparation as named steps, run in order by
         ``process_weights_after_loading`` (benchmarks time them one by one):
-        ``fold``, ``reorder``, ``swizzle``, ``finalize``."""
+        ``validate``, ``fold``, ``reorder``, ``swizzle``, ``finalize``.
+
+        Each step records itself in ``layer.weight_prep_state`` when done and
+        is skipped when already done, so running the list again (or after an
+        exception) completes the preparation without repeating anything.
+        """
         cap = self.max_transient_bytes
         moe = self.moe
         e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
         inter = moe.intermediate_size_per_partition
+        state = get_prep_state(layer)
+        first_expert = getattr(layer, "_first_expert", 0)
+
+        @torch.no_grad()
+        def validate() -> None:
+            # Before any write: bad scales leave the layer as loaded.
+            _check_global_scales(layer, first_expert)
+            for name in ("w13_weight_scale", "w2_weight_scale"):
+                check_blockscale_values(name, getattr(layer, name),
+                                        first_expert=first_expert,
+                                        max_transient_bytes=cap)  # fmt: skip
 
         @torch.no_grad()
         def fold() -> None:
             # Each expert's global scale (w1's and w3's own for w13) into its
             # FP8 block scales, on the linear layout; then the global is 1.
             for name in ("w13", "w2"):
+                scale_2 = getattr(layer, f"{name}_weight_scale_2")
                 fold_global_scale_into_blockscale_(
-                    getattr(layer, f"{name}_weight_scale"),
-                    getattr(layer, f"{name}_weight_scale_2"),
-                    max_transient_bytes=cap,
-                )
-                getattr(layer, f"{name}_weight_scale_2").fill_(1.0)
+                    getattr(layer, f"{name}_weight_scale"), scale_2,
+                    max_transient_bytes=cap, progress=state.progress_of(f"fold.{name}"),
+                )  # fmt: skip
+                scale_2.fill_(1.0)  # idempotent: a resumed fold skips to here
 
         @torch.no_grad()
         def reorder() -> None:
@@ -181,16 +237,28 @@ class FlashInferB12xExperts(FusedMoEExperts):
             if moe.is_act_and_mul and not getattr(layer, "w13_loaded_as_w3w1", False):
                 reorder_w1w3_to_w3w1(
                     layer.w13_weight, layer.w13_weight_scale, dim=-2,
-                    max_transient_bytes=cap,
+                    max_transient_bytes=cap, progress=state.progress_of("reorder"),
                 )  # fmt: skip
             layer.w13_loaded_as_w3w1 = moe.is_act_and_mul
 
         @torch.no_grad()
         def swizzle() -> None:
-            for name in ("w13_weight_scale", "w2_weight_scale"):
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                n_e, r, c = self._scale_geometry(prefix)
+                scale = getattr(layer, name)
+                if tuple(scale.shape) != (n_e, r, c):
+                    continue  # already replaced by its padded swizzled view
                 swizzled = swizzle_blockscale_bounded(
-                    getattr(layer, name), max_transient_bytes=cap
-                )
+                    scale, max_transient_bytes=cap,
+                    storage_has_room=state.has_storage_room(name, scale),
+                    progress=state.progress_of(f"swizzle.{name}"),
+                )  # fmt: skip
+                if swizzled.untyped_storage().data_ptr() != (
+                    scale.untyped_storage().data_ptr()
+                ):
+                    # A new padded result: made for the padded layout.
+                    state.record_storage_room(name, swizzled)
                 _replace_parameter(layer, name, swizzled)
 
         @torch.no_grad()
@@ -208,12 +276,84 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 e, dtype=torch.float32, device=layer.w13_weight.device
             )
 
+        steps = [("validate", validate), ("fold", fold), ("reorder", reorder),
+                 ("swizzle", swizzle), ("finalize", finalize)]  # fmt: skip
         return [
-            ("fold", fold),
-            ("reorder", reorder),
-            ("swizzle", swizzle),
-            ("finalize", finalize),
+            (name, self._recorded(layer, state, steps[: i + 1]))
+            for i, (name, _) in enumerate(steps)
         ]
+
+    def _recorded(self, layer, state, steps):
+        """The last of ``steps`` as a recorded step: runs every step of
+        ``steps`` not yet done (in order), records each, and marks the layer
+        PREPARED after ``finalize``. Validation runs while the layer is still
+        LOADING: a ValueError leaves it loadable and untouched."""
+
+        def step() -> None:
+            if state.status is PrepStatus.PREPARED:
+                state.check_unchanged(layer)
+                return
+            if state.status is PrepStatus.RESTORING:
+                self.restore_load_layout(layer)
+            if state.status is PrepStatus.LOADING:
+                name, validate = steps[0]
+                validate()
+                state.begin(PrepStatus.PREPARING)
+                state.done.append(name)
+            for name, fn in steps:
+                if name not in state.done:
+                    fn()
+                    state.done.append(name)
+            if steps[-1][0] == "finalize":
+                state.status = PrepStatus.PREPARED
+                state.record_versions(layer)
+
+        return step
+
+    def restore_load_layout(self, layer: torch.nn.Module) -> None:
+        """Return a prepared (or partly prepared) layer to the layout
+        ``weight_loader`` writes, in place and within the cap, so that new
+        weights can be loaded into it (RL weight updates, sleep-mode wake-up).
+
+        A partly prepared layer is first prepared to the end (resumed). Then
+        the swizzled scales are unswizzled in place and their parameters
+        become linear [E, R, C] views of the same storage. The reorder is kept
+        (``w13_loaded_as_w3w1`` stays set: the loader writes up_proj first)
+        and so is a fold (folded block scales with global scale 1 are a valid
+        load layout). The kernel's views and ``_fc2_input_scale`` are dropped:
+        ``forward`` refuses until the layer is prepared again. Resumable after
+        an exception like the preparation.
+        """
+        state = get_prep_state(layer)
+        if state.status is PrepStatus.LOADING:
+            return
+        if state.status is PrepStatus.PREPARING:
+            self.process_weights_after_loading(layer)
+        if state.status is PrepStatus.PREPARED:
+            state.begin(PrepStatus.RESTORING)
+        cap = self.max_transient_bytes
+        with torch.no_grad():
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                step = f"unswizzle.{name}"
+                if step in state.done:
+                    continue
+                n_e, r, c = self._scale_geometry(prefix)
+                scale = getattr(layer, name)
+                if (
+                    tuple(scale.shape) != (n_e, r, c)
+                    or not state.progress_of(step).complete
+                ):
+                    linear = unswizzle_blockscale_bounded_(
+                        scale, r, c, max_transient_bytes=cap,
+                        progress=state.progress_of(step),
+                    )  # fmt: skip
+                    _replace_parameter(layer, name, linear)
+                state.done.append(step)
+        qc = self.quant_config
+        qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
+        self._fc2_input_scale = None
+        state.begin(PrepStatus.LOADING)
 
     def _check_prepared(self) -> None:
         if self._fc2_input_scale is None:

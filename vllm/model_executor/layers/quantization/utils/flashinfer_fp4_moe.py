@@ -4,6 +4,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
 import torch
 
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
@@ -13,10 +19,13 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 
 __all__ = [
     "DEFAULT_MAX_TRANSIENT_BYTES",
+    "ChunkProgress",
     "blockscale_storage_for_swizzle",
+    "check_blockscale_values",
     "fold_global_scale_into_blockscale_",
     "reorder_w1w3_to_w3w1",
     "swizzle_blockscale_bounded",
+    "unswizzle_blockscale_bounded_",
 ]
 
 #: Default cap on the memory one preparation call may allocate (64 MiB).
@@ -91,6 +100,92 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+# --- interruption safety ------------------------------------------------------
+#
+# Every bounded step below is a sequence of chunks. A chunk reads its source
+# into the bounce buffer before its last operation writes the destination, so
+# an exception raised by any torch call of a chunk leaves the chunk either
+# wholly undone or (the swap, whose second write follows its first) undone
+# explicitly. An asynchronous KeyboardInterrupt (SIGINT) is held back until the
+# chunk in flight and its bookkeeping are complete. So when control leaves a
+# step, every chunk is either done and counted in its ``ChunkProgress`` or not
+# started, and no byte exists only in the buffer.
+
+
+@dataclass
+class ChunkProgress:
+    """How far a chunked in-place step got: a resumption point.
+
+    Pass the same object to a retry of the same call (same tensors, shapes and
+    cap) after an exception: chunks already done are skipped, so the result is
+    byte-identical to an uninterrupted call. ``total`` is set by the first
+    call; a later call with a different chunk count raises ValueError.
+    """
+
+    done: int = 0
+    total: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None and self.done >= self.total
+
+
+class _InterruptLatch:
+    """Holds SIGINT back while installed; ``release`` raises it afterwards."""
+
+    def __init__(self) -> None:
+        self.pending = False
+
+    def handler(self, signum, frame) -> None:
+        self.pending = True
+
+    def release(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _deferred_interrupts() -> Iterator[_InterruptLatch]:
+    latch = _InterruptLatch()
+    if threading.current_thread() is not threading.main_thread():
+        yield latch  # SIGINT is only ever delivered to the main thread
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is None or previous in (signal.SIG_IGN,):
+        yield latch
+        return
+    signal.signal(signal.SIGINT, latch.handler)
+    try:
+        yield latch
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    latch.release()
+
+
+def _run_chunks(
+    n: int, do_chunk: Callable[[int], None], progress: ChunkProgress | None
+) -> None:
+    """Run ``do_chunk(0..n-1)`` in order, resuming after ``progress.done``."""
+    start = 0
+    if progress is not None:
+        if progress.total is None:
+            progress.total = n
+        elif progress.total != n:
+            raise ValueError(
+                f"progress belongs to a different call: it counts {progress.total} "
+                f"chunks, this call has {n} (same tensors and cap are required to "
+                "resume)"
+            )
+        start = progress.done
+    with _deferred_interrupts() as latch:
+        for idx in range(start, n):
+            do_chunk(idx)
+            if progress is not None:
+                progress.done = idx + 1
+            latch.release()
+
+
 def _bounce_buffer_bytes(
     nbytes_per_half: list[int], device: torch.device, max_transient_bytes: int
 ) -> int:
@@ -103,35 +198,29 @@ def _bounce_buffer_bytes(
     return max(1, min(max_transient_bytes, _tile_bytes(device), largest))
 
 
-def _swap_halves_(halves: torch.Tensor, buf: torch.Tensor) -> None:
-    """Swap ``halves[:, 0]`` and ``halves[:, 1]`` in place through ``buf``.
+def _swap_chunk(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor) -> None:
+    """Swap equal-shape ``a`` and ``b`` through ``tmp``: done, or undone."""
+    tmp.copy_(a)
+    a.copy_(b)
+    try:
+        b.copy_(tmp)
+    except BaseException:
+        # a holds b's bytes and a's are only in tmp: put them back.
+        a.copy_(tmp)
+        raise
 
-    ``halves`` is a uint8 [outer, 2, L] view; ``buf`` a uint8 1-D buffer of B
-    bytes. When a whole row (L bytes) fits, several rows move per step;
-    otherwise each row is cut into pieces of at most B bytes.
-    """
+
+def _swap_chunks(halves: torch.Tensor, cap: int) -> list[tuple[int, int, int, int]]:
+    """Chunks ``(row, n_rows, start, n_bytes)`` that swap ``halves`` [outer, 2,
+    L] through a buffer of ``cap`` bytes: several whole rows per chunk when a
+    row fits, else pieces of one row."""
     outer, _, row = halves.shape
-    cap = buf.numel()
     if row <= cap:
-        rows_per_step = cap // row
-        for start in range(0, outer, rows_per_step):
-            n = min(rows_per_step, outer - start)
-            a = halves[start : start + n, 0]
-            b = halves[start : start + n, 1]
-            tmp = buf[: n * row].view(n, row)
-            tmp.copy_(a)
-            a.copy_(b)
-            b.copy_(tmp)
-    else:
-        for i in range(outer):
-            for start in range(0, row, cap):
-                n = min(cap, row - start)
-                a = halves[i, 0, start : start + n]
-                b = halves[i, 1, start : start + n]
-                tmp = buf[:n]
-                tmp.copy_(a)
-                a.copy_(b)
-                b.copy_(tmp)
+        per = cap // row
+        return [(s, min(per, outer - s), 0, row) for s in range(0, outer, per)]
+    return [
+        (i, 1, s, min(cap, row - s)) for i in range(outer) for s in range(0, row, cap)
+    ]
 
 
 def reorder_w1w3_to_w3w1(
@@ -140,6 +229,7 @@ def reorder_w1w3_to_w3w1(
     dim: int = -2,
     *,
     max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    progress: ChunkProgress | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Swap the gate and up halves of a fused MoE weight and its scales, in place.
 
@@ -164,6 +254,9 @@ def reorder_w1w3_to_w3w1(
         max_transient_bytes: upper bound on all memory this call allocates,
             together. Any positive value works: when one index along ``dim``
             spans more bytes than the cap, it is split further.
+        progress: resumption point (see :class:`ChunkProgress`). The swap is
+            an involution: without ``progress``, a retry after an exception
+            would swap the chunks already done back.
 
     Returns:
         ``(weight, scale)``: the same tensor objects, modified in place;
@@ -175,6 +268,10 @@ def reorder_w1w3_to_w3w1(
     untouched. ``tile`` is 2 MiB on CPU and 16 MiB on CUDA: a buffer that stays
     in cache makes the swap cost about one read and one write of each byte,
     like a memcpy (the per-device measurements are at ``_TILE_BYTES``).
+
+    Interruption: an exception (or SIGINT, held back to the end of the chunk)
+    leaves every chunk either swapped or untouched; none of its bytes is left
+    only in the buffer.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -217,16 +314,24 @@ def reorder_w1w3_to_w3w1(
             if t.numel() > 0
         ]
         if not targets:
+            _run_chunks(0, lambda idx: None, progress)
             return weight, scale
         buf_bytes = _bounce_buffer_bytes(
             [h.shape[0] * h.shape[2] for h in targets],
             weight.device,
             max_transient_bytes,
         )
+        chunks = [(h, c) for h in targets for c in _swap_chunks(h, buf_bytes)]
         # The only allocation, made before any write: a failure mutates nothing.
         buf = torch.empty(buf_bytes, dtype=torch.uint8, device=weight.device)
-        for halves in targets:
-            _swap_halves_(halves, buf)
+
+        def swap(idx: int) -> None:
+            halves, (row, rows, start, n) = chunks[idx]
+            a = halves[row : row + rows, 0, start : start + n]
+            b = halves[row : row + rows, 1, start : start + n]
+            _swap_chunk(a, b, buf[: rows * n].view(rows, n))
+
+        _run_chunks(len(chunks), swap, progress)
     return weight, scale
 
 
@@ -255,11 +360,50 @@ def _check_blockscale(name: str, scale: object) -> torch.Tensor:
     return scale
 
 
+def check_blockscale_values(
+    name: str,
+    scale: torch.Tensor,
+    *,
+    first_expert: int = 0,
+    max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+) -> None:
+    """Raise ValueError if FP8 E4M3 block scales hold NaN or negative values.
+
+    ``scale`` is float8_e4m3fn [E, ...] (any layout, contiguous). E4M3 has no
+    infinity; its NaN codes are 0x7F and 0xFF. Scales are ``amax / 6``, never
+    negative (-0.0 is accepted). The check reads the bytes in chunks of at
+    most ``max_transient_bytes`` (two bool masks of a quarter of it);
+    the message names ``name`` and the first bad expert (``first_expert`` is
+    the global id of index 0, for expert parallelism). Nothing is modified.
+    """
+    if scale.numel() == 0:
+        return
+    e = scale.shape[0]
+    per_expert = scale.numel() // e
+    flat = scale.reshape(-1).view(torch.uint8)
+    step = max(1, min(_check_cap(max_transient_bytes) // 4, _tile_bytes(scale.device)))
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start : start + step]
+        # NaN is 0x7F / 0xFF, negative is 0x81..0xFE: byte > 0x80 or == 0x7F.
+        bad = chunk > 0x80
+        bad |= chunk == 0x7F
+        if bool(bad.any()):
+            pos = start + int(bad.nonzero()[0, 0])
+            byte = int(flat[pos])
+            what = "NaN" if byte & 0x7F == 0x7F else "negative"
+            raise ValueError(
+                f"{name}: block scale of expert {first_expert + pos // per_expert} "
+                f"is {what} (FP8 byte 0x{byte:02x}); block scales must be finite "
+                "and non-negative"
+            )
+
+
 def fold_global_scale_into_blockscale_(
     scale: torch.Tensor,
     scale_2: torch.Tensor,
     *,
     max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    progress: ChunkProgress | None = None,
 ) -> torch.Tensor:
     """Multiply FP8 block scales by their per-expert global scale, in place.
 
@@ -271,13 +415,16 @@ def fold_global_scale_into_blockscale_(
             w1 and w3 scales: rows [0, R/2) use ``scale_2[:, 0]``, rows
             [R/2, R) use ``scale_2[:, 1]``).
         max_transient_bytes: cap on what the call allocates (>= 4).
+        progress: resumption point (see :class:`ChunkProgress`); without it a
+            retry after an exception would fold the chunks already done twice.
 
     Returns ``scale`` itself, each element replaced by
     ``fp8(clamp(float(scale) * scale_2, -448, 448))`` (round to nearest
-    even); afterwards the global scale of every expert is 1. The float32
-    work is done through one reused buffer of at most ``max_transient_bytes``
-    (never the 4x-size float32 copy of the whole tensor). ``scale_2`` is not
-    modified.
+    even). The float32 work is done through one reused buffer of at most
+    ``max_transient_bytes`` (never the 4x-size float32 copy of the whole
+    tensor). ``scale_2`` is not modified: the caller sets it to 1 once the
+    whole tensor is folded. Each chunk is written by one copy, after it is
+    computed: an exception leaves it folded or untouched.
     """
     _check_blockscale("scale", scale)
     cap = _check_cap(max_transient_bytes)
@@ -299,33 +446,43 @@ def fold_global_scale_into_blockscale_(
             f"max_transient_bytes must be at least 4 (one float32), got {cap}"
         )
     if scale.numel() == 0:
+        _run_chunks(0, lambda idx: None, progress)
         return scale
     factors = scale_2.reshape(e, groups).float()  # [E, G] (a view when float32)
     segments = scale.view(e, groups, (r // groups) * c)  # [E, G, L]
     seg_len = segments.shape[2]
     n = min(cap // 4, _tile_bytes(scale.device) // 4, scale.numel())
+    if groups * seg_len <= n:
+        per = n // (groups * seg_len)
+        # (first expert, experts) chunks of whole experts
+        chunks = [(s, min(per, e - s), 0, 0, 0) for s in range(0, e, per)]
+    else:
+        # (expert, 1, group, start, length) pieces of one row group
+        chunks = [
+            (i, 1, g, s, min(n, seg_len - s))
+            for i in range(e)
+            for g in range(groups)
+            for s in range(0, seg_len, n)
+        ]
     with torch.no_grad():
         buf = torch.empty(n, dtype=torch.float32, device=scale.device)
-        if groups * seg_len <= n:
-            per = n // (groups * seg_len)
-            for start in range(0, e, per):
-                k = min(per, e - start)
+
+        def fold(idx: int) -> None:
+            first, k, g, start, length = chunks[idx]
+            if length == 0:  # whole experts
+                src = segments[first : first + k]
                 tmp = buf[: k * groups * seg_len].view(k, groups, seg_len)
-                tmp.copy_(segments[start : start + k])
-                tmp.mul_(factors[start : start + k].unsqueeze(-1))
-                tmp.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
-                segments[start : start + k].copy_(tmp)
-        else:
-            for i in range(e):
-                for g in range(groups):
-                    f = factors[i, g]
-                    for start in range(0, seg_len, n):
-                        k = min(n, seg_len - start)
-                        tmp = buf[:k]
-                        tmp.copy_(segments[i, g, start : start + k])
-                        tmp.mul_(f)
-                        tmp.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
-                        segments[i, g, start : start + k].copy_(tmp)
+                f = factors[first : first + k].unsqueeze(-1)
+            else:
+                src = segments[first, g, start : start + length]
+                tmp = buf[:length]
+                f = factors[first, g]
+            tmp.copy_(src)
+            tmp.mul_(f)
+            tmp.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+            src.copy_(tmp)  # the chunk's only write
+
+        _run_chunks(len(chunks), fold, progress)
     return scale
 
 
@@ -334,9 +491,9 @@ def blockscale_storage_for_swizzle(
 ) -> torch.Tensor:
     """A float8_e4m3fn [E, R, C] tensor (zeros) whose storage already has room
     for its swizzled, padded [E, Rp, Cp] form, so that
-    :func:`swizzle_blockscale_bounded` can swizzle it in place even when
-    padding is needed. The extra bytes are the padding the kernel needs
-    anyway."""
+    :func:`swizzle_blockscale_bounded` (called with ``storage_has_room=True``)
+    can swizzle it in place even when padding is needed. The extra bytes are
+    the padding the kernel needs anyway."""
     rp, cp = swizzled_blockscale_shape(r, c)
     flat = torch.zeros(max(e * rp * cp, 1), dtype=torch.float8_e4m3fn, device=device)
     return flat[: e * r * c].view(e, r, c)
@@ -348,10 +505,18 @@ def _storage_view(t: torch.Tensor, numel: int) -> torch.Tensor:
     return out.set_(t.untyped_storage(), t.storage_offset(), (numel,))
 
 
+def _swizzle_group_chunks(e: int, groups: int, per: int) -> list[tuple[int, int]]:
+    """(expert, first group) of each chunk of up to ``per`` groups, in
+    first-to-last order."""
+    return [(i, g) for i in range(e) for g in range(0, groups, per)]
+
+
 def swizzle_blockscale_bounded(
     scale: torch.Tensor,
     *,
     max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    storage_has_room: bool = False,
+    progress: ChunkProgress | None = None,
 ) -> torch.Tensor:
     """Swizzle block scales [E, R, C] into the 128x4 layout with bounded memory.
 
@@ -359,16 +524,21 @@ def swizzle_blockscale_bounded(
     :func:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils.swizzle_blockscale`
     (rows padded to Rp, a multiple of 128, and columns to Cp, a multiple of 4).
 
-    * In place, when ``scale``'s storage has room for [E, Rp, Cp] from its
-      offset: always when no padding is needed, and for tensors made by
-      :func:`blockscale_storage_for_swizzle`. Groups of 128 rows are moved
-      from the last to the first: a group's swizzled bytes start at or after
-      its linear bytes, so only groups already moved are overwritten. Each
-      group goes through one reused buffer. Returns a [E, Rp, Cp] view of the
-      same storage (``scale`` itself when no padding is needed).
+    * In place when no padding is needed ((Rp, Cp) == (R, C)), or when the
+      caller states that ``scale``'s storage was made for the padded result
+      (``storage_has_room=True``, e.g. by :func:`blockscale_storage_for_swizzle`;
+      ValueError if the storage is in fact too small). Only the tensor's own
+      bytes, and with ``storage_has_room`` the padding bytes after them, are
+      written: spare room in a storage is never taken for free. Groups of
+      128 rows move from the last to the first: a group's swizzled bytes
+      start at or after its linear bytes, so only groups already moved are
+      overwritten. Returns a [E, Rp, Cp] view of the same storage (``scale``
+      itself when no padding is needed). ``progress`` makes a retry after an
+      exception resume where it stopped.
     * Otherwise: the padded result [E, Rp, Cp] is allocated once (it replaces
       ``scale``, which the caller then drops) and filled group by group from
-      the source through the buffer; ``scale`` is left unchanged.
+      the source through the buffer; ``scale`` is left unchanged, and a retry
+      simply starts again (``progress`` is not used).
 
     Apart from such a result, at most ``max_transient_bytes`` is allocated;
     one group of 128 rows (128 * Cp bytes) must fit, else ValueError.
@@ -384,28 +554,39 @@ def swizzle_blockscale_bounded(
             f"block scales ({group_bytes} bytes for {cp} scale columns), the "
             "least the swizzle can move at a time"
         )
+    padded = (rp, cp) != (r, c)
+    if storage_has_room:
+        room = scale.untyped_storage().nbytes() - scale.storage_offset()
+        if room < e * rp * cp:
+            raise ValueError(
+                f"storage_has_room=True but the storage of the [{e}, {r}, {c}] "
+                f"scale has {room} bytes from its offset; the padded "
+                f"[{e}, {rp}, {cp}] result needs {e * rp * cp}"
+            )
+    in_place = storage_has_room or not padded
     if scale.numel() == 0:
-        return scale
+        if in_place:
+            _run_chunks(0, lambda idx: None, progress)
+        return scale.new_zeros((e, rp, cp)) if padded and not in_place else scale
     groups = rp // 128  # per expert
     per = max(1, min(cap, _tile_bytes(scale.device)) // group_bytes)
     per = min(per, groups)
-    padded = (rp, cp) != (r, c)
-    room = scale.untyped_storage().nbytes() - scale.storage_offset()
-    in_place = room >= e * rp * cp
+    chunks = _swizzle_group_chunks(e, groups, per)
     with torch.no_grad():
         if in_place:
             flat = _storage_view(scale, e * rp * cp)
             src = flat[: e * r * c].view(e, r, c)
             dst = flat.view(e, groups, group_bytes)
-            order = [(i, g) for i in reversed(range(e))
-                     for g in reversed(range(0, groups, per))]  # fmt: skip
+            chunks.reverse()  # last to first
         else:
             src = scale.view(torch.uint8)
             dst = torch.empty((e, groups, group_bytes), dtype=torch.uint8,
                               device=scale.device)  # fmt: skip
-            order = [(i, g) for i in range(e) for g in range(0, groups, per)]
+            progress = None
         buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
-        for i, start in order:
+
+        def move(idx: int) -> None:
+            i, start = chunks[idx]
             k = min(per, groups - start)
             rows = min(r, (start + k) * 128) - start * 128
             pad = buf[: k * group_bytes].view(k * 128, cp)
@@ -415,6 +596,75 @@ def swizzle_blockscale_bounded(
             pad[:rows, :c].copy_(src[i, start * 128 : start * 128 + rows])
             swz = pad.view(k, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
             dst[i, start : start + k].view(k, cp // 4, 32, 4, 4).copy_(swz)
+
+        _run_chunks(len(chunks), move, progress)
         if in_place and not padded:
             return scale
         return dst.view(e, rp, cp).view(torch.float8_e4m3fn)
+
+
+def unswizzle_blockscale_bounded_(
+    swizzled: torch.Tensor,
+    rows: int,
+    cols: int,
+    *,
+    max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    progress: ChunkProgress | None = None,
+) -> torch.Tensor:
+    """Undo :func:`swizzle_blockscale_bounded` in place: [E, Rp, Cp] in the
+    128x4 layout -> linear [E, rows, cols].
+
+    Returns a contiguous [E, rows, cols] view of the first ``E * rows * cols``
+    bytes of ``swizzled``'s storage (``swizzled`` itself when no padding was
+    needed); the padding bytes after them keep stale values. Groups of 128
+    rows move from the first to the last (the mirror of the swizzle): a
+    group's linear bytes end before the swizzled bytes of any later group,
+    so only groups already read are overwritten. One reused buffer of at most
+    ``max_transient_bytes`` (one group, 128 * Cp bytes, must fit); each chunk
+    is written by one copy, after it is read; ``progress`` makes a retry
+    resume where it stopped.
+    """
+    _check_blockscale("swizzled", swizzled)
+    cap = _check_cap(max_transient_bytes)
+    e = swizzled.shape[0]
+    rp, cp = swizzled_blockscale_shape(rows, cols)
+    if tuple(swizzled.shape[1:]) != (rp, cp):
+        raise ValueError(
+            f"swizzled has shape {tuple(swizzled.shape)}; a swizzled "
+            f"[{e}, {rows}, {cols}] scale is [{e}, {rp}, {cp}]"
+        )
+    group_bytes = 128 * cp
+    if cap < group_bytes:
+        raise ValueError(
+            f"max_transient_bytes={cap} is below one group of 128 rows of "
+            f"block scales ({group_bytes} bytes)"
+        )
+    if swizzled.numel() == 0:
+        _run_chunks(0, lambda idx: None, progress)
+        return swizzled[:, :rows, :cols]
+    groups = rp // 128
+    per = min(groups, max(1, min(cap, _tile_bytes(swizzled.device)) // group_bytes))
+    chunks = _swizzle_group_chunks(e, groups, per)
+    with torch.no_grad():
+        flat = _storage_view(swizzled, e * rp * cp)
+        src = flat.view(e, groups, group_bytes)
+        dst = flat[: e * rows * cols].view(e, rows, cols)
+        buf = torch.empty(per * group_bytes, dtype=torch.uint8,
+                          device=swizzled.device)  # fmt: skip
+
+        def move(idx: int) -> None:
+            i, start = chunks[idx]
+            k = min(per, groups - start)
+            n = min(rows, (start + k) * 128) - start * 128
+            lin = buf[: k * group_bytes].view(k, 4, 32, cp // 4, 4)
+            # Read the whole chunk before writing any of its destination.
+            lin.permute(0, 3, 2, 1, 4).copy_(
+                src[i, start : start + k].view(k, cp // 4, 32, 4, 4)
+            )
+            block = lin.view(k * 128, cp)[:n, :cols]
+            dst[i, start * 128 : start * 128 + n].copy_(block)
+
+        _run_chunks(len(chunks), move, progress)
+    if (rp, cp) == (rows, cols):
+        return swizzled
+    return dst.view(torch.float8_e4m3fn)

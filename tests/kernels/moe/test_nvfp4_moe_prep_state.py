@@ -1,0 +1,344 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The in-place preparation owns its state: re-run, reload, interruption and
+bad scales never leave a silently wrong layer."""
+
+import os
+import signal
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.kernels.moe.utils import (
+    bf16_experts,
+    load_nvfp4_experts,
+    make_nvfp4_layer,
+    quantize_experts_modelopt,
+)
+from tests.kernels.utils import bytes_of
+from vllm.benchmarks.legacy_moe_prep import split_cat_halves
+from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    ChunkProgress,
+    reorder_w1w3_to_w3w1,
+    swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
+)
+from vllm.utils.mem_utils import measure_peak_memory
+
+BACKEND = "flashinfer_b12x_emulated"
+# (E, H, I, gated): I = 80 pads the scale rows (160 or 80 -> 256 or 128) and
+# H = 192 pads the w13 scale columns (12 -> 12, but w2's I/16 = 5 -> 8).
+SHAPES = [(3, 192, 80, True), (2, 320, 80, False), (4, 256, 128, True)]
+SHAPE_IDS = ["E3_H192_I80_silu", "E2_H320_I80_relu2", "E4_H256_I128_silu"]
+CAP = 16 << 10  # many chunks per step at these shapes
+
+
+class Interrupt(BaseException):
+    """Stands in for KeyboardInterrupt (a BaseException, not an Exception)."""
+
+
+class RaiseAtCall(TorchFunctionMode):
+    """Raise ``Interrupt`` instead of running the ``k``-th torch call (1-based);
+    ``k=None`` only counts calls."""
+
+    def __init__(self, k: int | None = None):
+        super().__init__()
+        self.k, self.calls, self.names = k, 0, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        self.names.add(getattr(func, "__name__", str(func)))
+        if self.calls == self.k:
+            raise Interrupt(f"call {self.k}: {getattr(func, '__name__', func)}")
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(e, h, i, gated, seed):
+    w1, w2 = bf16_experts(e, i, h, gated=gated, seed=seed)
+    return quantize_experts_modelopt(w1, w2, gated=gated)
+
+
+def _layer(shape, tensors, **kwargs):
+    e, h, i, gated = shape
+    layer = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP,
+                             weights_only=True, **kwargs)  # fmt: skip
+    load_nvfp4_experts(layer, tensors)
+    return layer
+
+
+def _prepare(layer):
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _snapshot(layer) -> dict[str, torch.Tensor]:
+    """Every parameter's bytes and shape, plus what the kernel reads."""
+    snap = {
+        n: bytes_of(p.detach().contiguous()).clone() for n, p in layer.named_parameters()
+    }
+    snap |= {f"shape:{n}": torch.tensor(p.shape) for n, p in layer.named_parameters()}
+    experts = layer.quant_method.experts
+    qc = experts.quant_config
+    for key in ("g1_alphas", "g2_alphas"):
+        snap[key] = getattr(qc, key).clone()
+    snap["fc2"] = experts._fc2_input_scale.clone()
+    for key in ("w1_scale", "w2_scale"):
+        snap[key] = bytes_of(getattr(qc, key).permute(5, 2, 4, 0, 1, 3).contiguous())
+    return snap
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def _io(shape, seed=5):
+    e, h = shape[0], shape[1]
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(8, h, generator=gen).bfloat16(), torch.randn(8, e, generator=gen)
+
+
+# --- 1. a second preparation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_second_preparation_is_a_no_op(shape):
+    layer = _prepare(_layer(shape, _tensors(*shape, seed=1)))
+    x, logits = _io(shape)
+    before, out = _snapshot(layer), layer(x, logits)
+    assert layer.weight_prep_state.status is PrepStatus.PREPARED
+    with RaiseAtCall() as counter:
+        _prepare(layer)
+    _assert_same(_snapshot(layer), before)
+    # Bookkeeping only: no step ran again (no in-place op was called).
+    assert counter.names <= {"__get__"}, counter.names  # ._version reads
+    assert torch.equal(layer(x, logits), out)
+
+
+def test_direct_write_into_a_prepared_layer_is_refused():
+    # Copying checkpoint-layout tensors straight into a prepared layer would
+    # leave unswizzled bytes in a layer that says "prepared": refused loudly.
+    shape = SHAPES[0]
+    layer = _prepare(_layer(shape, _tensors(*shape, seed=1)))
+    with torch.no_grad():
+        layer.w13_weight.copy_(layer.w13_weight.flip(0))
+    with pytest.raises(RuntimeError, match=r"modified in place.*weight_loader"):
+        _prepare(layer)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        layer(*_io(shape))
+
+
+# --- 2. reload into a prepared layer -------------------------------------------
+
+
+def _load_through_loader(layer, tensors, experts=None):
+    """Load ModelOpt tensors [E, ...] (checkpoint layout, [w1; w3]) through
+    FusedMoE.weight_loader, shard by shard, as a checkpoint reader does."""
+    gated = layer.activation.is_gated
+    i = layer.moe_config.intermediate_size_per_partition
+    params = dict(layer.named_parameters())  # taken once, as vLLM does
+    for ex in experts if experts is not None else range(layer.global_num_experts):
+        shards = {"w1": slice(0, i), "w3": slice(i, 2 * i)} if gated else {
+            "w1": slice(0, i)}  # fmt: skip
+        for shard, rows in shards.items():
+            g = 0 if shard == "w1" else 1
+            for suffix in ("weight", "weight_scale"):
+                name = f"w13_{suffix}"
+                layer.weight_loader(params[name], tensors[name][ex, rows], name, shard,
+                                    ex)  # fmt: skip
+            for suffix in ("weight_scale_2", "input_scale"):
+                name = f"w13_{suffix}"
+                value = tensors[name].reshape(layer.global_num_experts, -1)[ex, g]
+                layer.weight_loader(params[name], value, name, shard, ex)
+        for suffix in ("weight", "weight_scale", "weight_scale_2", "input_scale"):
+            name = f"w2_{suffix}"
+            layer.weight_loader(params[name], tensors[name][ex], name, "w2", ex)
+        params = dict(layer.named_parameters()) | params  # stale objects still work
+
+
+@pytest.mark.parametrize("place", [True, False], ids=["place_w3w1", "reorder"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_reload_into_prepared_layer_equals_fresh_layer(shape, place):
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    e, h, i, gated = shape
+    layer = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP,
+                             weights_only=True)  # fmt: skip
+    layer.w13_loaded_as_w3w1 = place and gated
+    _load_through_loader(layer, old)
+    _prepare(layer)
+    x, logits = _io(shape)
+    out_old = layer(x, logits)
+    storages = {n: p.untyped_storage().data_ptr() for n, p in layer.named_parameters()}
+
+    with measure_peak_memory("cpu") as mem:
+        _load_through_loader(layer, new)
+        _prepare(layer)
+    assert mem.peak_bytes <= CAP
+    # The parameters kept their storage: nothing was reallocated.
+    for n, p in layer.named_parameters():
+        assert p.untyped_storage().data_ptr() == storages[n], n
+
+    fresh = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP,
+                             weights_only=True)  # fmt: skip
+    _load_through_loader(fresh, new)
+    _prepare(fresh)
+    _assert_same(_snapshot(layer), _snapshot(fresh))
+    out = layer(x, logits)
+    assert torch.equal(out, fresh(x, logits))
+    assert not torch.equal(out, out_old)  # control: the new weights do differ
+
+
+def test_partial_reload_keeps_the_other_experts():
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _prepare(_layer(shape, old))
+    _load_through_loader(layer, new, experts=[1])
+    _prepare(layer)
+    mixed = {k: v.clone() for k, v in old.items()}
+    for k in mixed:
+        mixed[k][1] = new[k][1]
+    _assert_same(_snapshot(layer), _snapshot(_prepare(_layer(shape, mixed))))
+
+
+def test_forward_refuses_between_reload_and_preparation():
+    shape = SHAPES[0]
+    layer = _prepare(_layer(shape, _tensors(*shape, seed=1)))
+    _load_through_loader(layer, _tensors(*shape, seed=2), experts=[0])
+    with pytest.raises(RuntimeError, match="load layout"):
+        layer(*_io(shape))
+
+
+# --- 3. interruption at every torch call ---------------------------------------
+
+
+def _count_calls(fn) -> int:
+    with RaiseAtCall() as counter:
+        fn()
+    return counter.calls
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=SHAPE_IDS[:2])
+def test_interrupted_preparation_resumes_to_the_same_bytes(shape):
+    tensors = _tensors(*shape, seed=3)
+    want = _snapshot(_prepare(_layer(shape, tensors)))
+    x, logits = _io(shape)
+    layer = _layer(shape, tensors)
+    n = _count_calls(lambda: _prepare(layer))
+    assert n > 50
+    for k in range(1, n + 1):
+        layer = _layer(shape, tensors)
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            _prepare(layer)
+        if layer.weight_prep_state.status is not PrepStatus.PREPARED:
+            with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+                layer(x, logits)
+        _prepare(layer)  # the retry
+        _assert_same(_snapshot(layer), want)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2], ids=SHAPE_IDS[:2])
+def test_interrupted_reload_then_retry_equals_fresh_layer(shape):
+    old, new = _tensors(*shape, seed=3), _tensors(*shape, seed=4)
+    want = _snapshot(_prepare(_layer(shape, new)))
+    layer = _prepare(_layer(shape, old))
+    n = _count_calls(lambda: _load_through_loader(layer, new))
+    for k in range(1, n + 1, 3):
+        layer = _prepare(_layer(shape, old))
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            _load_through_loader(layer, new)
+        _load_through_loader(layer, new)  # the retry: load everything again
+        _prepare(layer)
+        _assert_same(_snapshot(layer), want)
+
+
+def test_interrupted_swap_loses_no_byte():
+    # Without a progress record, an interrupted reorder leaves each chunk
+    # whole: every row of each half is either swapped or as it was, never a
+    # byte left only in the bounce buffer. An interrupt between a.copy_(b)
+    # and b.copy_(tmp) (the third call of a chunk) is undone.
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randint(0, 256, (8, 2 * 4, 64), dtype=torch.uint8, generator=gen)
+    s = torch.randint(0, 256, (8, 2 * 4, 8), dtype=torch.uint8, generator=gen)
+    wc, sc = w.clone(), s.clone()
+    n = _count_calls(lambda: reorder_w1w3_to_w3w1(wc, sc, max_transient_bytes=256))
+    for k in range(1, n + 1):
+        wk, sk = w.clone(), s.clone()
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=256)
+        for got, orig in ((wk, w), (sk, s)):
+            swapped = split_cat_halves(orig, -2)
+            for e in range(8):
+                for h in range(2):
+                    rows = slice(4 * h, 4 * h + 4)
+                    assert torch.equal(got[e, rows], orig[e, rows]) or torch.equal(
+                        got[e, rows], swapped[e, rows]
+                    ), (k, e, h)
+        # With a progress record the retry completes the swap exactly.
+        wk, sk, progress = w.clone(), s.clone(), ChunkProgress()
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=256, progress=progress)
+        reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=256, progress=progress)
+        assert torch.equal(wk, split_cat_halves(w, -2)), k
+        assert torch.equal(sk, split_cat_halves(s, -2)), k
+
+
+class SigintAtCopy(TorchFunctionMode):
+    """Send this process a real SIGINT right after the ``k``-th ``copy_``."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.calls = k, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls += getattr(func, "__name__", "") == "copy_"
+        if self.calls == self.k:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+
+def test_real_sigint_lands_between_chunks():
+    # Ctrl-C is held back until the chunk in flight is complete and counted:
+    # the retry then finishes the swap exactly, wherever the signal came.
+    gen = torch.Generator().manual_seed(10)
+    w = torch.randint(0, 256, (4, 8, 64), dtype=torch.uint8, generator=gen)
+    s = torch.randint(0, 256, (4, 8, 8), dtype=torch.uint8, generator=gen)
+    # 8 chunks of w (rows of 256 bytes in 128-byte pieces) + 1 of s, 3 copies
+    # each: the signal arrives after every copy of every chunk.
+    for k in range(1, 27):
+        wk, sk, progress = w.clone(), s.clone(), ChunkProgress()
+        with pytest.raises(KeyboardInterrupt), SigintAtCopy(k):
+            reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
+        assert progress.done == (k + 2) // 3, k  # the chunk in flight finished
+        reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
+        assert torch.equal(wk, split_cat_halves(w, -2)), k
+        assert torch.equal(sk, split_cat_halves(s, -2)), k
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# --- 5. the swizzle writes only the tensor's own bytes ---------------------------
+
+
+def test_swizzle_never_writes_past_a_view_without_recorded_room():
+    # A [2, 300, 5] scale (padded to [2, 384, 8]) that is a view at the start
+    # of a larger buffer: the bytes after it belong to someone else.
+    buf = torch.full((2 * 384 * 8 + 100,), 0x5A, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(11)
+    src = torch.randint(0x08, 0x78, (2, 300, 5), dtype=torch.uint8, generator=gen)
+    buf[: src.numel()].copy_(src.reshape(-1))
+    scale = buf[: src.numel()].view(2, 300, 5).view(torch.float8_e4m3fn)
+    out = swizzle_blockscale_bounded(scale, max_transient_bytes=1024)
+    assert out.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert torch.equal(buf[: src.numel()], src.reshape(-1))  # source untouched
+    assert (buf[src.numel() :] == 0x5A).all()  # nothing written past it
+    want = swizzle_blockscale(src.view(torch.float8_e4m3fn))
+    assert torch.equal(bytes_of(out), bytes_of(want))
+    with pytest.raises(ValueError, match="storage_has_room=True but"):
+        small = torch.zeros(2 * 300 * 5 + 10, dtype=torch.float8_e4m3fn)
+        swizzle_blockscale_bounded(small[: 3000].view(2, 300, 5),
+                                   storage_has_room=True)  # fmt: skip
