@@ -77,10 +77,9 @@ def _prepare(layer):
 
 def _snapshot(layer) -> dict[str, torch.Tensor]:
     """Every parameter's bytes and shape, plus what the kernel reads."""
-    snap = {
-        n: bytes_of(p.detach().contiguous()).clone() for n, p in layer.named_parameters()
-    }
-    snap |= {f"shape:{n}": torch.tensor(p.shape) for n, p in layer.named_parameters()}
+    params = dict(layer.named_parameters())
+    snap = {n: bytes_of(p.detach().contiguous()).clone() for n, p in params.items()}
+    snap |= {f"shape:{n}": torch.tensor(p.shape) for n, p in params.items()}
     experts = layer.quant_method.experts
     qc = experts.quant_config
     for key in ("g1_alphas", "g2_alphas"):
