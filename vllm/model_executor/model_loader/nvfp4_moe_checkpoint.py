@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,20 +66,67 @@ _SUFFIXES = {
 }
 
 
-def _read_json(path: Path) -> dict:
+def _regular_file(path: Path, root: Path, what: str) -> Path:
+    """``path`` resolved, checked to stay inside ``root`` (symlinks and ``..``
+    included) and to be a regular file (a FIFO or device would block or never
+    end). ValueError naming ``what`` otherwise."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ValueError(
+            f"{what}: {path} resolves to {resolved}, outside the checkpoint "
+            f"directory {root}"
+        )
+    try:
+        mode = resolved.stat().st_mode
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read {path} ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{what}: {path} is not a regular file")
+    return resolved
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _read_json(path: Path, root: Path | None = None) -> dict:
+    """A JSON object from a regular file inside ``root`` (default: its folder)."""
+    path = _regular_file(path, root or path.parent, str(path))
     try:
         with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
+            data = json.load(f, object_pairs_hook=_no_duplicate_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except ValueError as e:  # a duplicate key
+        raise ValueError(f"{path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _get_dict(d: dict, key: str, path: Path, default: dict | None = None) -> dict:
+    """``d[key]`` when it is a JSON object; ``default`` when absent (if given)."""
+    if key not in d and default is not None:
+        return default
+    value = d.get(key)
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{path}: {key!r} must be a JSON object, got {type(value).__name__}"
+        )
+    return value
 
 
 def detect_nvfp4_format(model_dir: Path) -> str:
     """``MODELOPT`` or ``COMPRESSED_TENSORS``; ValueError naming the file and
     the algorithm when the checkpoint is not NVFP4."""
     hf_quant = model_dir / "hf_quant_config.json"
-    if hf_quant.exists():
-        quant = _read_json(hf_quant).get("quantization", {})
+    if hf_quant.exists() or hf_quant.is_symlink():
+        quant = _get_dict(_read_json(hf_quant), "quantization", hf_quant, {})
         algo = quant.get("quant_algo")
         if str(algo).upper() != "NVFP4":
             raise ValueError(
@@ -86,16 +134,18 @@ def detect_nvfp4_format(model_dir: Path) -> str:
             )
         return MODELOPT
     config_path = model_dir / "config.json"
-    if not config_path.exists():
+    if not (config_path.exists() or config_path.is_symlink()):
         raise ValueError(f"{model_dir}: no config.json")
-    qc = _read_json(config_path).get("quantization_config")
-    if not qc:
+    config = _read_json(config_path)
+    if not config.get("quantization_config"):
         raise ValueError(
             f"{config_path}: no quantization_config: not an NVFP4 checkpoint"
         )
+    qc = _get_dict(config, "quantization_config", config_path)
     method = qc.get("quant_method")
     if method == "modelopt":
-        algo = qc.get("quant_algo", qc.get("quantization", {}).get("quant_algo"))
+        nested = _get_dict(qc, "quantization", config_path, {})
+        algo = qc.get("quant_algo", nested.get("quant_algo"))
         if str(algo).upper() != "NVFP4":
             raise ValueError(
                 f"{config_path}: unsupported ModelOpt quant_algo {algo!r} "
@@ -103,14 +153,15 @@ def detect_nvfp4_format(model_dir: Path) -> str:
             )
         return MODELOPT
     if method == "compressed-tensors":
-        formats = {qc.get("format")} | {
-            g.get("format") for g in qc.get("config_groups", {}).values()
-        }
+        groups = _get_dict(qc, "config_groups", config_path, {})
+        formats = {qc.get("format")}
+        for name in groups:
+            formats.add(_get_dict(groups, name, config_path).get("format"))
         if "nvfp4-pack-quantized" in formats:
             return COMPRESSED_TENSORS
         raise ValueError(
             f"{config_path}: unsupported compressed-tensors format "
-            f"{sorted(f for f in formats if f)} (expected nvfp4-pack-quantized)"
+            f"{sorted(str(f) for f in formats if f)} (expected nvfp4-pack-quantized)"
         )
     raise ValueError(f"{config_path}: unsupported quantization method {method!r}")
 
@@ -138,9 +189,10 @@ class NVFP4MoECheckpoint:
         if not self.model_dir.is_dir():
             raise ValueError(f"{self.model_dir}: not a directory")
         self.format = detect_nvfp4_format(self.model_dir)
-        config = _read_json(self.model_dir / "config.json")
+        config_path = self.model_dir / "config.json"
+        config = _read_json(config_path)
         self.config = config
-        self.text_config = config.get("text_config", config)
+        self.text_config = _get_dict(config, "text_config", config_path, config)
         self.weight_map = self._weight_map()
         self._experts: dict[int, list[_ExpertTensor]] = defaultdict(list)
         for name in self.weight_map:
@@ -153,13 +205,58 @@ class NVFP4MoECheckpoint:
                 )
         if not self._experts:
             raise ValueError(f"{self.model_dir}: no routed-expert tensors found")
+        self._check_geometry()
 
     # -- geometry ---------------------------------------------------------------
     def _cfg(self, *keys: str) -> int:
+        path = self.model_dir / "config.json"
         for key in keys:
             if key in self.text_config:
-                return int(self.text_config[key])
-        raise ValueError(f"{self.model_dir / 'config.json'}: none of {keys} is set")
+                value = self.text_config[key]
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(
+                        f"{path}: {key} must be a positive integer, got {value!r}"
+                    )
+                return value
+        raise ValueError(f"{path}: none of {keys} is set")
+
+    def _check_geometry(self) -> None:
+        """config.json's sizes against the tensors, before anyone allocates a
+        layer of that size: the expert count against the expert tensors of
+        every MoE layer, H and I against one expert's tensor headers."""
+        path = self.model_dir / "config.json"
+        e = self.num_experts
+        for layer_idx, tensors in self._experts.items():
+            found = 1 + max(t.expert for t in tensors)
+            if found != e:
+                raise ValueError(
+                    f"{path}: says {e} experts, but layer {layer_idx} of the "
+                    f"checkpoint has tensors for {found}"
+                )
+        h, i = self.hidden_size, self.intermediate_size
+        weight = "weight" if self.format == MODELOPT else "weight_packed"
+        layer = self._experts[self.moe_layers[0]]
+        for t in layer:
+            if t.expert != 0 or t.suffix != weight:
+                continue
+            want = (h, i // 2) if t.proj == "down_proj" else (i, h // 2)
+            got = self._header_shape(t.name)
+            if got != want:
+                raise ValueError(
+                    f"{path}: hidden_size {h} and intermediate size {i} mean "
+                    f"{t.name} has shape {want}, the checkpoint has {got}"
+                )
+
+    def _header_shape(self, name: str) -> tuple[int, ...]:
+        file = self.model_dir / self.weight_map[name]
+        _regular_file(file, self.model_dir, name)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                return tuple(f.get_slice(name).get_shape())
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(
+                f"{file}: cannot read the header of {name} ({e})"
+            ) from None
 
     @property
     def num_experts(self) -> int:
@@ -191,20 +288,36 @@ class NVFP4MoECheckpoint:
     # -- reading ------------------------------------------------------------------
     def _weight_map(self) -> dict[str, str]:
         index = self.model_dir / "model.safetensors.index.json"
-        if index.exists():
-            wm = _read_json(index).get("weight_map")
-            if not isinstance(wm, dict):
-                raise ValueError(f"{index}: no weight_map")
-            for file in set(wm.values()):
+        if index.exists() or index.is_symlink():
+            wm = _get_dict(_read_json(index, self.model_dir), "weight_map", index)
+            for name, file in wm.items():
+                if not isinstance(file, str) or not file:
+                    raise ValueError(
+                        f"{index}: weight_map[{name!r}] must be a file name, got "
+                        f"{file!r}"
+                    )
+            for file in sorted(set(wm.values())):
+                if Path(file).is_absolute() or ".." in Path(file).parts:
+                    raise ValueError(
+                        f"{index}: shard {file!r} must be a path inside the "
+                        "checkpoint directory"
+                    )
                 if not (self.model_dir / file).exists():
                     raise ValueError(f"{index}: shard {file} is missing")
+                _regular_file(self.model_dir / file, self.model_dir, str(index))
             return wm
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{self.model_dir}: no *.safetensors files")
         wm = {}
         for path in files:
+            _regular_file(path, self.model_dir, "shard")
             for name in self._keys(path):
+                if name in wm:
+                    raise ValueError(
+                        f"{self.model_dir}: tensor {name} is in two shards, "
+                        f"{wm[name]} and {path.name}"
+                    )
                 wm[name] = path.name
         return wm
 
@@ -270,7 +383,7 @@ class NVFP4MoECheckpoint:
                    disable=not progress, leave=False)  # fmt: skip
         with bar:
             for file, items in sorted(by_file.items()):
-                path = self.model_dir / file
+                path = _regular_file(self.model_dir / file, self.model_dir, file)
                 try:
                     handle = safe_open(path, framework="pt", device="cpu")
                 except Exception as e:
@@ -323,4 +436,8 @@ class NVFP4MoECheckpoint:
             shard = shard_of[proj]
             prefix = "w2" if shard == "w2" else "w13"
             param = getattr(layer, f"{prefix}_{suffix}")
-            layer.weight_loader(param, tensor, name, shard, e)
+            try:
+                layer.weight_loader(param, tensor, name, shard, e)
+            except ValueError as err:
+                file = self.model_dir / self.weight_map[name]
+                raise ValueError(f"{file}: {err}") from None
