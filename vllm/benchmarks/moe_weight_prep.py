@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -535,20 +538,42 @@ def write_plot(result: dict, path: str) -> None:
 # --- command line ---------------------------------------------------------------------
 
 
+#: Largest size accepted on the command line (1 PiB).
+MAX_CLI_SIZE = 1 << 50
+
+
 def parse_size(text: str) -> int:
-    """'64MiB', '512K', '1.5G', '1048576' -> bytes (binary units)."""
-    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    """'64MiB', '512K', '1.5G', '1048576' -> bytes (binary units); a positive,
+    finite size of at least one byte and at most 1 PiB."""
+    units = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    unit = t[-1] if t and t[-1] in "kmg" else ""
+    unit = t[-1] if t and t[-1] in "kmgt" else ""
     try:
         value = float(t[: len(t) - len(unit)])
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a size like 64MiB, 512K or 1048576, got {text!r}"
         ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    if not math.isfinite(value) or value * units[unit] > MAX_CLI_SIZE:
+        raise argparse.ArgumentTypeError(
+            f"size must be finite and at most 1024TiB, got {text!r}"
+        )
+    if value * units[unit] < 1:
+        raise argparse.ArgumentTypeError(
+            f"size must be at least one byte, got {text!r}"
+        )
     return int(value * units[unit])
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -573,10 +598,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel size (divides I)"
+        "--tp", type=positive_int, default=1, help="tensor-parallel size (divides I)"
     )
     parser.add_argument(
-        "--num-layers", type=int, default=None, help="MoE layers (default: all)"
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="MoE layers (default: all)",
     )
     parser.add_argument(
         "--max-transient",
@@ -651,10 +679,43 @@ def _list_presets() -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> dict | None:
+#: Smallest --max-transient the command line accepts. Below it every bounded
+#: step moves a few bytes per torch call: at 1 byte one Qwen3.6 layer would
+#: take about two hours. The library itself accepts any positive cap.
+MIN_CLI_MAX_TRANSIENT = 64 << 10
+
+
+def _check_output_path(path: str, flag: str) -> None:
+    """ValueError now, not after the run, if ``path`` cannot be written."""
+    target = os.path.abspath(path)
+    parent = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ValueError(f"{flag} {path}: is a directory")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (
+        os.path.exists(target) and not os.access(target, os.W_OK)
+    ):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the command; returns the exit status (1 when the bounded
+    preparation exceeds ``--memory-limit``). Bad arguments raise ValueError
+    before anything runs."""
     if args.model == "list":
         print(_list_presets())
-        return None
+        return 0
+    if args.max_transient < MIN_CLI_MAX_TRANSIENT:
+        raise ValueError(
+            f"--max-transient {args.max_transient} bytes is below "
+            f"{MIN_CLI_MAX_TRANSIENT >> 10}KiB: every step would move a few bytes "
+            "per torch call and one layer could take hours; use at least 64KiB "
+            "(default 64MiB)"
+        )
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path:
+            _check_output_path(path, flag)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
@@ -686,4 +747,12 @@ def main(args: argparse.Namespace) -> dict | None:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {args.json}")
-    return result
+    limit_ok = result["memory_limit_ok"]
+    if limit_ok is not None and not limit_ok["bounded"]:
+        print(
+            "vllm bench moe-weight-prep: error: the bounded preparation exceeds "
+            f"--memory-limit {_mib(args.memory_limit)}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

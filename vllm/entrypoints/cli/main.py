@@ -33,10 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
-        args.dispatch(args)
-    except ValueError as e:
-        parser.exit(2, f"vllm: error: {e}\n")
-    return 0
+        return args.dispatch(args) or 0
+    except (ValueError, OSError) as e:
+        # One line, prefixed like argparse's own errors for the same command.
+        command = getattr(args, "command_parser", parser)
+        command.exit(2, f"{command.prog}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -23,4 +23,4 @@ def add_bench_subparser(commands: argparse._SubParsersAction) -> None:
     for name, module in BENCHMARKS.items():
         sub = benches.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
         module.add_cli_args(sub)
-        sub.set_defaults(dispatch=module.main)
+        sub.set_defaults(dispatch=module.main, command_parser=sub)

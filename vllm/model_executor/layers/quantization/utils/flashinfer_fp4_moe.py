@@ -372,7 +372,7 @@ def check_blockscale_values(
     ``scale`` is float8_e4m3fn [E, ...] (any layout, contiguous). E4M3 has no
     infinity; its NaN codes are 0x7F and 0xFF. Scales are ``amax / 6``, never
     negative (-0.0 is accepted). The check reads the bytes in chunks of at
-    most ``max_transient_bytes`` (two bool masks of a quarter of it);
+    most ``max_transient_bytes`` (two bool masks of half a tile at most);
     the message names ``name`` and the first bad expert (``first_expert`` is
     the global id of index 0, for expert parallelism). Nothing is modified.
     """
@@ -381,7 +381,8 @@ def check_blockscale_values(
     e = scale.shape[0]
     per_expert = scale.numel() // e
     flat = scale.reshape(-1).view(torch.uint8)
-    step = max(1, min(_check_cap(max_transient_bytes) // 4, _tile_bytes(scale.device)))
+    cap = _check_cap(max_transient_bytes)
+    step = max(1, min(cap // 4, _tile_bytes(scale.device) // 2))
     for start in range(0, flat.numel(), step):
         chunk = flat[start : start + step]
         # NaN is 0x7F / 0xFF, negative is 0x81..0xFE: byte > 0x80 or == 0x7F.
