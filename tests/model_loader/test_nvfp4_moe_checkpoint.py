@@ -360,6 +360,11 @@ def test_matches_transformers_experts(tmp_path, gated, fmt):
     layer.quant_method.process_weights_after_loading(layer)
 
     dw13, dw2 = _dequantized_from_file(ckpt, 3, gated)
+    # The file holds the BF16 source weights (up to NVFP4 rounding, ~0.1
+    # relative RMS), in the right order: an export that swapped gate and up
+    # (or the halves of a non-gated w13) would be ~1.4 away.
+    assert rel_rms_error(dw13, w13) < 0.15 and rel_rms_error(dw2, w2) < 0.15
+    assert rel_rms_error(dw13, split_cat_halves(w13, dim=1)) > 1.0
     with torch.no_grad():
         first.copy_(dw13)
         experts.down_proj.copy_(dw2)

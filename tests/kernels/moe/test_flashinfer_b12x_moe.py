@@ -122,6 +122,8 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, backend):
     assert fc2 is not None
     assert fc2.shape == (e,) and fc2.dtype == torch.float32
     assert fc2.device == layer.w13_weight.device
+    # b12x quantizes the FC2 input dynamically: a static scale of exactly 1.
+    assert torch.equal(fc2.cpu(), torch.ones(e))
 
     # The prepared layout, byte for byte: [w3; w1] codes, and swizzled scales
     # that unswizzle to the expected order with the global scales folded in.

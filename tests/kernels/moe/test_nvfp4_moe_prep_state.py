@@ -4,6 +4,7 @@
 bad scales never leave a silently wrong layer."""
 
 import os
+import re
 import signal
 
 import pytest
@@ -341,3 +342,47 @@ def test_swizzle_never_writes_past_a_view_without_recorded_room():
         small = torch.zeros(2 * 300 * 5 + 10, dtype=torch.float8_e4m3fn)
         swizzle_blockscale_bounded(small[: 3000].view(2, 300, 5),
                                    storage_has_room=True)  # fmt: skip
+
+
+# --- 4. scales set in memory are validated before anything is written -----------
+
+NAN, INF = float("nan"), float("inf")
+# (parameter, index, bad value, message); the layer holds [w1; w3] (place
+# False), so column 1 of the w13 scales is w3's.
+BAD_IN_MEMORY = [
+    ("w13_weight_scale_2", (1, 1), NAN, "w13_weight_scale_2 of expert 1 (w3) is nan"),
+    ("w13_weight_scale_2", (0, 0), -0.5, "of expert 0 (w1) is -0.5"),
+    ("w2_weight_scale_2", (2,), 0.0, "w2_weight_scale_2 of expert 2 (w2) is 0.0"),
+    ("w13_input_scale", (2, 0), INF, "w13_input_scale of expert 2 (w1) is inf"),
+    ("w2_input_scale", (1,), -INF, "w2_input_scale of expert 1 (w2) is -inf"),
+    ("w13_weight_scale", (1, 5, 3), 0x7F, "w13_weight_scale: block scale of expert 1 "
+     "is NaN (FP8 byte 0x7f)"),
+    ("w2_weight_scale", (2, 0, 0), 0xFF, "block scale of expert 2 is NaN"),
+    ("w2_weight_scale", (0, 7, 1), 0xC0, "block scale of expert 0 is negative"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", BAD_IN_MEMORY, ids=lambda b: f"{b[0]}={b[2]}")
+def test_bad_scales_in_memory_are_refused_and_change_nothing(bad):
+    name, index, value, message = bad
+    shape = SHAPES[0]
+    tensors = _tensors(*shape, seed=6)
+    layer = _layer(shape, tensors)
+    param = getattr(layer, name)
+    good = param.data[index].clone()
+    with torch.no_grad():
+        if param.dtype == torch.float8_e4m3fn:
+            param.data.view(torch.uint8)[index] = value
+        else:
+            param.data[index] = value
+    before = {n: bytes_of(p.detach()).clone() for n, p in layer.named_parameters()}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _prepare(layer)
+    for n, p in layer.named_parameters():
+        assert torch.equal(bytes_of(p.detach()), before[n]), n
+    assert layer.weight_prep_state.status is PrepStatus.LOADING
+    # Fixed in place, the same layer prepares to the expected bytes.
+    with torch.no_grad():
+        param.data[index] = good
+    want = _snapshot(_prepare(_layer(shape, tensors)))
+    _assert_same(_snapshot(_prepare(layer)), want)

@@ -27,6 +27,7 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     blockscale_storage_for_swizzle,
     fold_global_scale_into_blockscale_,
     swizzle_blockscale_bounded,
+    unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
@@ -184,6 +185,11 @@ def test_whole_preparation_of_a_real_layer_stays_within_cap(model, cap, device):
     load_nvfp4_experts(layer, tensors)
     peak = _prep_peak(layer, device)
     assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"
+    # ...and it produced the right bytes, not only a small peak.
+    want = whole_tensor_preparation(tensors, preset.is_gated)
+    for name, expected in want.items():
+        got = getattr(layer, name).detach().cpu().contiguous()
+        assert torch.equal(bytes_of(got), bytes_of(expected)), name
 
     # Control: the legacy pipeline on the same layer needs a full copy of w13
     # (288 MiB for Qwen3.6) and 4x-size float32 temporaries of the scales.
@@ -217,6 +223,29 @@ def test_padded_swizzle_in_place_with_room(device):
     assert mem.peak_bytes <= cap
     assert out.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
     assert torch.equal(bytes_of(out.cpu()), bytes_of(want))
+
+
+# (E, R, C, cap): a cap of exactly one group of 128 rows (128 * Cp bytes), so
+# the in-place padded swizzle moves one group per chunk, last to first. A
+# first-to-last order would overwrite groups not yet read.
+ONE_GROUP_CASES = [(2, 300, 5, 1024), (3, 1856, 168, 128 * 168)]
+
+
+@pytest.mark.parametrize("case", ONE_GROUP_CASES, ids=["E2_R300_C5", "nemotron_w13"])
+def test_padded_swizzle_in_place_one_group_at_a_time(case):
+    e, r, c, cap = case
+    scale = blockscale_storage_for_swizzle(e, r, c)
+    src = random_bits((e, r, c), torch.uint8, "cpu", seed=r) % 0x70 + 8
+    scale.view(torch.uint8).copy_(src)
+    want = swizzle_blockscale(src.view(torch.float8_e4m3fn))
+    out = swizzle_blockscale_bounded(scale, max_transient_bytes=cap,
+                                     storage_has_room=True)  # fmt: skip
+    assert out.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
+    assert torch.equal(bytes_of(out), bytes_of(want))
+    # And back, in place: the exact linear bytes.
+    back = unswizzle_blockscale_bounded_(out, r, c, max_transient_bytes=cap)
+    assert back.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
+    assert torch.equal(bytes_of(back), bytes_of(src))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -106,6 +106,8 @@ def test_twice_is_identity(device):
     w0, s0 = weight.clone(), scale.clone()
     reorder_w1w3_to_w3w1(weight, scale, max_transient_bytes=5)
     assert not torch.equal(weight, w0)
+    # Both halves of both tensors moved: the scale is swapped too.
+    assert torch.equal(bytes_of(scale), bytes_of(split_cat_halves(s0, -2)))
     reorder_w1w3_to_w3w1(weight, scale, max_transient_bytes=5)
     assert torch.equal(weight, w0)
     assert torch.equal(bytes_of(scale), bytes_of(s0))
@@ -130,10 +132,13 @@ def test_views_of_the_parameters_see_the_swap():
         random_bits((2, 4, 1), torch.uint8, "cpu", seed=10), requires_grad=False
     )
     view = weight.data[:, :2]
+    scale_view = scale.data[:, 2:]
     want = split_cat_halves(weight.detach(), -2)
+    want_scale = split_cat_halves(scale.detach(), -2)
     out_w, out_s = reorder_w1w3_to_w3w1(weight, scale)
     assert out_w is weight and out_s is scale
     assert torch.equal(bytes_of(view), bytes_of(want[:, :2].contiguous()))
+    assert torch.equal(scale_view, want_scale[:, 2:])
 
 
 @pytest.mark.parametrize("device", DEVICES)
