@@ -14,9 +14,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_out}
 mkdir -p "$out"
-if ! python -c "import vllm" 2>/dev/null; then
-  pip install -q -e ".[test]"
-fi
+# The tree from its root: no install step (the GPU machine has no index).
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; \
 print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" | tee "$out/device.txt"
 
@@ -25,6 +24,6 @@ timeout 150 python -m pytest tests -q -k cuda -p no:cacheprovider 2>&1 | tee "$o
 timeout 60 python benchmarks/kernels/benchmark_reorder_w1w3.py --devices cuda \
   --models qwen3.6-35b-a3b deepseek-v3 --json "$out/reorder_cuda.json" | tee "$out/reorder_cuda.txt"
 
-timeout 60 vllm bench moe-weight-prep --model qwen3.6-35b-a3b --device cuda --num-layers 4 \
+timeout 60 python -m vllm.entrypoints.cli.main bench moe-weight-prep --model qwen3.6-35b-a3b --device cuda --num-layers 4 \
   --memory-limit 128MiB --no-progress --json "$out/prep_cuda.json" --plot "$out/prep_cuda.png" \
   | tee "$out/prep_cuda.txt"
