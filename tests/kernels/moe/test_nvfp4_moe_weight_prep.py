@@ -73,11 +73,22 @@ def random_layer_tensors(e, h, i, gated, seed, device="cpu"):
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def whole_tensor_preparation(t: dict, gated: bool) -> dict:
+def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
     """Test-side reference: the same preparation done the straightforward way,
-    on whole tensors (float32 fold, split+cat reorder, padded swizzle)."""
-    s13 = fold_reference(t["w13_weight_scale"].cpu(), t["w13_weight_scale_2"].cpu())
-    s2 = fold_reference(t["w2_weight_scale"].cpu(), t["w2_weight_scale_2"].cpu())
+    on whole tensors (float32 fold, split+cat reorder, padded swizzle).
+
+    ``mode="fold"``: every global scale folded into the block scales, then 1.
+    ``mode="alpha"``: block scales as loaded; where an expert's w1 and w3
+    global scales differ, the larger is its alpha and the ratio is folded
+    into the other half."""
+    s13, s2 = t["w13_weight_scale"].cpu(), t["w2_weight_scale"].cpu()
+    g13, g2 = t["w13_weight_scale_2"].cpu(), t["w2_weight_scale_2"].cpu()
+    if mode == "fold":
+        s13, s2 = fold_reference(s13, g13), fold_reference(s2, g2)
+        g13, g2 = torch.ones_like(g13), torch.ones_like(g2)
+    elif (g13 != g13[:, :1]).any():
+        alpha = g13.amax(dim=1, keepdim=True)
+        s13, g13 = fold_reference(s13, g13 / alpha), alpha.expand_as(g13)
     w13 = t["w13_weight"].cpu()
     if gated:
         w13, s13 = split_cat_halves(w13, -2), split_cat_halves(s13, -2)
@@ -86,25 +97,29 @@ def whole_tensor_preparation(t: dict, gated: bool) -> dict:
         "w13_weight_scale": swizzle_blockscale(s13),
         "w2_weight": t["w2_weight"].cpu(),
         "w2_weight_scale": swizzle_blockscale(s2),
-        "w13_weight_scale_2": torch.ones_like(t["w13_weight_scale_2"].cpu()),
-        "w2_weight_scale_2": torch.ones_like(t["w2_weight_scale_2"].cpu()),
+        "w13_weight_scale_2": g13.contiguous(),
+        "w2_weight_scale_2": g2,
     }
 
 
-def _layer(e, h, i, gated, device, cap):
-    return make_nvfp4_layer(e, 2, h, i, gated, BACKEND, device=device,
-                            max_transient_bytes=cap)  # fmt: skip
+def _layer(e, h, i, gated, device, cap, mode="alpha"):
+    return make_nvfp4_layer(
+        e, 2, h, i, gated, BACKEND, device=device, max_transient_bytes=cap,
+        global_scale_mode=mode,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["alpha", "fold"])
 @pytest.mark.parametrize("cap", CAPS, ids=lambda c: f"cap{c >> 10}KiB")
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "E{}_H{}_I{}_{}".format(
     s[0], s[1], s[2], "silu" if s[3] else "relu2"))  # fmt: skip
-def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, device):
+def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
+                                                             device):  # fmt: skip
     e, h, i, gated = shape
     tensors = random_layer_tensors(e, h, i, gated, seed=sum(shape), device=device)
-    want = whole_tensor_preparation(tensors, gated)
-    layer = _layer(e, h, i, gated, device, cap)
+    want = whole_tensor_preparation(tensors, gated, mode)
+    layer = _layer(e, h, i, gated, device, cap, mode)
     load_nvfp4_experts(layer, tensors)
     before = {name: p for name, p in layer.named_parameters()}
     storages = {n: p.untyped_storage().data_ptr() for n, p in before.items()}
@@ -126,7 +141,9 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, device
     qc = layer.quant_method.experts.quant_config
     assert qc.w1_scale.data_ptr() == layer.w13_weight_scale.data_ptr()
     assert qc.w2_scale.data_ptr() == layer.w2_weight_scale.data_ptr()
-    assert torch.equal(qc.g1_alphas.cpu(), torch.ones(e))
+    # The kernel's alphas: the (chosen) global scales, or 1 after a fold.
+    assert torch.equal(qc.g1_alphas.cpu(), want["w13_weight_scale_2"][:, 0])
+    assert torch.equal(qc.g2_alphas.cpu(), want["w2_weight_scale_2"])
 
 
 def test_separate_w1_w3_global_scales_are_folded_exactly():
@@ -134,7 +151,7 @@ def test_separate_w1_w3_global_scales_are_folded_exactly():
     e, h, i, topk = 4, 256, 128, 2
     w1, w2 = bf16_experts(e, i, h, gated=True, seed=31)
     w1[:, i:] *= 4
-    tensors = quantize_experts_modelopt(w1, w2, gated=True)
+    tensors = quantize_experts_modelopt(w1, w2, gated=True, shared_w13_scale=False)
     s2 = tensors["w13_weight_scale_2"]
     ratio = s2[:, 1] / s2[:, 0]
     assert ((ratio > 3) & (ratio < 5)).all(), ratio

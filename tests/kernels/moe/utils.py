@@ -48,27 +48,33 @@ def bf16_experts(e: int, n: int, k: int, gated: bool, seed: int):
     return w1.bfloat16(), w2.bfloat16()
 
 
-def _quantize_rows(w: torch.Tensor, groups: int):
-    """Quantize [E, R, K] with one global scale per expert per row group."""
+def _quantize_rows(w: torch.Tensor, groups: int, shared: bool = False):
+    """Quantize [E, R, K] with one global scale per expert per row group (the
+    same one for every group when ``shared``, from the expert's amax)."""
     e, r, _ = w.shape
     parts = w.view(e, groups, r // groups, -1)
     amax = parts.float().abs().amax(dim=(2, 3))  # [E, G]
+    if shared:
+        amax = amax.amax(dim=1, keepdim=True).expand(e, groups)
     gs = nvfp4_global_scale(amax)  # [E, G], quantization direction
     packed, scale = [], []
     for g in range(groups):
         p, s = quantize_nvfp4(parts[:, g], gs[:, g])
         packed.append(p)
         scale.append(s)
-    return torch.cat(packed, dim=1), torch.cat(scale, dim=1), gs
+    return torch.cat(packed, dim=1), torch.cat(scale, dim=1), gs.contiguous()
 
 
-def quantize_experts_modelopt(w1: torch.Tensor, w2: torch.Tensor, gated: bool):
+def quantize_experts_modelopt(
+    w1: torch.Tensor, w2: torch.Tensor, gated: bool, shared_w13_scale: bool = True
+):
     """ModelOpt NVFP4 tensors of BF16 experts (w1 in [gate; up] order).
 
-    Gated w1 gets separate global scales for its gate and up halves.
+    Gated w1's gate and up halves share one global scale per expert (what
+    ModelOpt exports), or get their own with ``shared_w13_scale=False``.
     Returns a dict keyed by the FusedMoE parameter names.
     """
-    p13, s13, gs13 = _quantize_rows(w1, 2 if gated else 1)
+    p13, s13, gs13 = _quantize_rows(w1, 2 if gated else 1, shared_w13_scale)
     p2, s2, gs2 = _quantize_rows(w2, 1)
     e = w1.shape[0]
     return {

@@ -72,13 +72,21 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
         quant_config: FusedMoEQuantConfig,
         *,
         max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+        global_scale_mode: str = "alpha",
         weights_only: bool = False,
     ):
-        super().__init__(moe, quant_config, max_transient_bytes=max_transient_bytes)
+        super().__init__(moe, quant_config, max_transient_bytes=max_transient_bytes,
+                         global_scale_mode=global_scale_mode)  # fmt: skip
         self.weights_only = weights_only
 
     @classmethod
     def is_supported_device(cls, device: torch.device) -> Support:
+        return Support.yes()
+
+    @classmethod
+    def supports_unfolded_alpha(cls) -> Support:
+        # The emulation reads w1_alpha as an output multiplier only, as the
+        # kernel does when it is given input_global_scale.
         return Support.yes()
 
     @classmethod

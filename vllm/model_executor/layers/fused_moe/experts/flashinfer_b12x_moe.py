@@ -7,16 +7,21 @@ what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
 
     checkpoint layout                         b12x layout
     w13_weight        [E, 2I, H/2] [w1; w3]   -> [w3; w1]          (in place)
-    w13_weight_scale  [E, 2I, H/16] linear    -> fold, reorder, 128x4 swizzle
-    w13_weight_scale_2 [E, 2]                 -> folded into the scales; 1
-    w2_weight_scale   [E, H, I/16] linear     -> fold, 128x4 swizzle
-    w2_weight_scale_2 [E]                     -> folded; 1
+    w13_weight_scale  [E, 2I, H/16] linear    -> reorder, 128x4 swizzle
+    w13_weight_scale_2 [E, 2]                 -> g1_alphas (w1_alpha)
+    w2_weight_scale   [E, H, I/16] linear     -> 128x4 swizzle
+    w2_weight_scale_2 [E]                     -> g2_alphas (w2_alpha)
     (new) quant_config.w1_scale / w2_scale    MMA-layout views (no copy)
-    (new) g1_alphas, g2_alphas [E]            1 after the fold
     (new) _fc2_input_scale [E]                1: FC2 input quantized dynamically
 
-1. fold: each expert's global scale (and for w13, w1's and w3's own) is
-   multiplied into its FP8 block scales on the linear layout, chunk by chunk;
+0. validate: scales finite and positive (block scales finite), before any
+   write;
+1. fold: only where it is needed. Default ``global_scale_mode="alpha"``:
+   the per-expert global scales become the kernel's alphas and the FP8
+   block scales stay exactly as loaded; an expert whose w1 and w3 global
+   scales differ gets the larger as alpha and the ratio folded into the
+   other half. ``"fold"`` (upstream's contract): every global scale is
+   multiplied into its FP8 block scales, chunk by chunk, and set to 1;
 2. reorder (gated only): ``reorder_w1w3_to_w3w1`` on the weight and the
    linear scales, before any swizzle (a half swap is only valid on the
    swizzled layout when I is a multiple of 128);
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -61,7 +67,15 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
 
-__all__ = ["FlashInferB12xExperts", "is_flashinfer_b12x_moe_available"]
+__all__ = [
+    "GLOBAL_SCALE_MODES",
+    "FlashInferB12xExperts",
+    "is_flashinfer_b12x_moe_available",
+]
+
+#: How the weights' per-expert global scales reach the kernel (see
+#: ``FlashInferB12xExperts.global_scale_mode``).
+GLOBAL_SCALE_MODES = ("alpha", "fold")
 
 
 @functools.cache
@@ -85,6 +99,19 @@ def _flashinfer_b12x_support() -> Support:
         from flashinfer import b12x_fused_moe  # noqa: F401
     except ImportError as e:
         return Support.no(f"flashinfer has no b12x_fused_moe ({e})")
+    return Support.yes()
+
+
+@functools.cache
+def _flashinfer_takes_input_global_scale() -> Support:
+    if importlib.util.find_spec("flashinfer") is None:
+        return Support.no("flashinfer-python is not installed")
+    try:
+        from flashinfer import b12x_fused_moe
+    except ImportError as e:
+        return Support.no(f"flashinfer has no b12x_fused_moe ({e})")
+    if "input_global_scale" not in inspect.signature(b12x_fused_moe).parameters:
+        return Support.no("this flashinfer's b12x_fused_moe has no input_global_scale")
     return Support.yes()
 
 
@@ -143,12 +170,38 @@ class FlashInferB12xExperts(FusedMoEExperts):
         quant_config: FusedMoEQuantConfig,
         *,
         max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+        global_scale_mode: str = "alpha",
     ):
         super().__init__(moe, quant_config)
+        if global_scale_mode not in GLOBAL_SCALE_MODES:
+            raise ValueError(
+                f"global_scale_mode must be one of {GLOBAL_SCALE_MODES}, got "
+                f"{global_scale_mode!r}"
+            )
         self.max_transient_bytes = max_transient_bytes
+        #: "alpha" (default): each expert's weight global scale is the
+        #: kernel's w1_alpha / w2_alpha and the FP8 block scales stay as
+        #: loaded (exact). "fold": upstream's contract, the global scales
+        #: folded into the block scales (rounded again in FP8) and alpha 1.
+        self.global_scale_mode = global_scale_mode
         #: FC2 input global scale [E] float32; set by
         #: process_weights_after_loading, required by apply.
         self._fc2_input_scale: torch.Tensor | None = None
+
+    @classmethod
+    def supports_unfolded_alpha(cls) -> Support:
+        """Whether the kernel takes ``input_global_scale`` (FlashInfer >=
+        0.6.17), so that ``w1_alpha`` can carry the weight's global scale
+        without also scaling the FC1 input quantization."""
+        return _flashinfer_takes_input_global_scale()
+
+    @property
+    def effective_global_scale_mode(self) -> str:
+        """``global_scale_mode``, or "fold" where the kernel cannot take an
+        unfolded alpha (an older FlashInfer)."""
+        if self.global_scale_mode == "alpha" and not self.supports_unfolded_alpha():
+            return "fold"
+        return self.global_scale_mode
 
     # -- capability predicates ------------------------------------------------
     @classmethod
@@ -221,15 +274,36 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
         @torch.no_grad()
         def fold() -> None:
-            # Each expert's global scale (w1's and w3's own for w13) into its
-            # FP8 block scales, on the linear layout; then the global is 1.
-            for name in ("w13", "w2"):
-                scale_2 = getattr(layer, f"{name}_weight_scale_2")
+            if self.effective_global_scale_mode == "fold":
+                # Upstream's contract: each expert's global scale (w1's and
+                # w3's own for w13) into its FP8 block scales; then it is 1.
+                for name in ("w13", "w2"):
+                    scale_2 = getattr(layer, f"{name}_weight_scale_2")
+                    fold_global_scale_into_blockscale_(
+                        getattr(layer, f"{name}_weight_scale"), scale_2,
+                        max_transient_bytes=cap,
+                        progress=state.progress_of(f"fold.{name}"),
+                    )  # fmt: skip
+                    scale_2.fill_(1.0)  # idempotent: a resumed fold skips here
+                return
+            # "alpha": the global scales stay, as the kernel's per-expert
+            # alphas, and the block scales stay as loaded. Only an expert
+            # whose two w13 row groups have different global scales cannot be
+            # described by one alpha: it gets the larger one, and the ratio
+            # (< 1) is folded into the other half's block scales, which then
+            # shrink (a scale of 448 never saturates).
+            scale_2 = layer.w13_weight_scale_2  # [E, G]
+            if bool((scale_2 != scale_2[:, :1]).any()):
+                alpha = scale_2.amax(dim=1, keepdim=True)  # [E, 1]
+                ratio = scale_2 / alpha  # [E, G], <= 1
+                # The two [E, G] float32 tensors count against the cap too.
+                fold_cap = max(4, cap - 3 * scale_2.numel() * 4 - 64)
                 fold_global_scale_into_blockscale_(
-                    getattr(layer, f"{name}_weight_scale"), scale_2,
-                    max_transient_bytes=cap, progress=state.progress_of(f"fold.{name}"),
+                    layer.w13_weight_scale, ratio, max_transient_bytes=fold_cap,
+                    progress=state.progress_of("fold.w13"),
                 )  # fmt: skip
-                scale_2.fill_(1.0)  # idempotent: a resumed fold skips to here
+                del ratio
+                scale_2.copy_(alpha.expand_as(scale_2))  # a resumed fold skips here
 
         @torch.no_grad()
         def reorder() -> None:
@@ -368,6 +442,11 @@ class FlashInferB12xExperts(FusedMoEExperts):
         from flashinfer import b12x_fused_moe
 
         qc = self.quant_config
+        extra = {}
+        if self.effective_global_scale_mode == "alpha":
+            # The FC1 input keeps its own (dynamic, global 1) quantization;
+            # w1_alpha is then the weight's global scale alone.
+            extra["input_global_scale"] = torch.ones_like(qc.g1_alphas)
         return b12x_fused_moe(
             hidden_states,
             w1,
@@ -381,6 +460,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
             w1_alpha=qc.g1_alphas,
             w2_alpha=qc.g2_alphas,
             fc2_input_scale=self._fc2_input_scale,
+            **extra,
             activation=self.moe.activation.flashinfer_name,
             quant_mode="nvfp4",
         )
