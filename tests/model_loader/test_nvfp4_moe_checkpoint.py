@@ -9,16 +9,12 @@ import signal
 import pytest
 import torch
 
-from tests.kernels.moe.utils import rel_rms_error
+from tests.kernels.moe.utils import dequantized_checkpoint_layer, rel_rms_error
 from tests.kernels.utils import bytes_of
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    dequantize_nvfp4,
-    global_scale_from_modelopt,
-)
 from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
     random_bf16_experts,
     write_nvfp4_moe_checkpoint,
@@ -293,24 +289,6 @@ def test_not_an_nvfp4_checkpoint(tmp_path):
 # --- validation against transformers -------------------------------------------
 
 
-def _dequantized_from_file(ckpt, layer_idx, gated):
-    """BF16-exact float32 [w13 ([gate; up]), w2] decoded from the checkpoint."""
-    parts = {}
-    for _, e, proj, suffix, t in ckpt.iter_layer_tensors(layer_idx):
-        parts[(e, proj, suffix)] = t
-    projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
-
-    def deq(e, proj):
-        return dequantize_nvfp4(
-            parts[(e, proj, "weight")], parts[(e, proj, "weight_scale")],
-            global_scale_from_modelopt(parts[(e, proj, "weight_scale_2")]),
-        )  # fmt: skip
-
-    w13 = torch.stack([torch.cat([deq(e, p) for p in projs]) for e in range(E)])
-    w2 = torch.stack([deq(e, "down_proj") for e in range(E)])
-    return w13, w2
-
-
 def _transformers_experts(gated):
     pytest.importorskip("transformers")
     if gated:
@@ -359,7 +337,7 @@ def test_matches_transformers_experts(tmp_path, gated, fmt):
     ckpt.load_layer(layer, 3, progress=True)
     layer.quant_method.process_weights_after_loading(layer)
 
-    dw13, dw2 = _dequantized_from_file(ckpt, 3, gated)
+    dw13, dw2 = dequantized_checkpoint_layer(ckpt, 3, gated)
     # The file holds the BF16 source weights (up to NVFP4 rounding, ~0.1
     # relative RMS), in the right order: an export that swapped gate and up
     # (or the halves of a non-gated w13) would be ~1.4 away.

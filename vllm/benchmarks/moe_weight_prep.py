@@ -34,14 +34,21 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from vllm.benchmarks.legacy_moe_prep import legacy_preparation_steps
+from vllm.benchmarks.legacy_moe_prep import (
+    legacy_preparation_steps,
+    split_cat_halves,
+)
 from vllm.benchmarks.moe_model_presets import (
     MOE_MODEL_PRESETS,
     MoEModelPreset,
     get_preset,
 )
+from vllm.benchmarks.moe_prep_precision import prepared_weight_precision
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 
@@ -71,10 +78,24 @@ def _random_bytes(n: int, device: torch.device, gen: torch.Generator) -> torch.T
 
 
 def _random_scales(shape, device, gen) -> torch.Tensor:
-    # Finite, positive float8_e4m3fn values in [2^-3, 2^4): bytes 0x30..0x67.
-    raw = torch.randint(0x30, 0x68, shape, dtype=torch.uint8, device=device,
+    # Block scales as a ModelOpt checkpoint has them: block amax / tensor amax
+    # * 448, for Gaussian weights mostly 64..448: float8_e4m3fn bytes
+    # 0x68..0x7E (64 is 0x68, 448 is 0x7E).
+    raw = torch.randint(0x68, 0x7F, shape, dtype=torch.uint8, device=device,
                         generator=gen)  # fmt: skip
     return raw.view(torch.float8_e4m3fn)
+
+
+#: Nominal expert weight std of the synthetic layers (real checkpoints have
+#: about 0.005-0.05); each expert's is drawn from [0.5, 1.5] times it.
+SYNTHETIC_WEIGHT_STD = 0.02
+
+
+def _global_scales(n: int, device, gen) -> torch.Tensor:
+    """ModelOpt ``weight_scale_2`` = amax / (448 * 6) of Gaussian experts,
+    amax ~ 5 std (the largest of about a million draws)."""
+    std = SYNTHETIC_WEIGHT_STD * (0.5 + torch.rand(n, device=device, generator=gen))
+    return 5 * std / (448 * 6)
 
 
 def synthetic_w13(
@@ -93,15 +114,17 @@ def synthetic_layer_tensors(
     preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
 ) -> dict[str, torch.Tensor]:
     """One MoE layer's ModelOpt NVFP4 parameters with random contents, keyed
-    by FusedMoE parameter name (checkpoint layout). w1 and w3 share a global
-    scale so that the legacy preparation is exact and can be compared."""
+    by FusedMoE parameter name (checkpoint layout): random codes, block and
+    global scales of the magnitudes real checkpoints have (see
+    ``_random_scales`` and ``SYNTHETIC_WEIGHT_STD``). w1 and w3 share a global
+    scale, as ModelOpt exports them (and so the legacy fold is comparable)."""
     e, h = preset.num_experts, preset.hidden_size
     i = preset.intermediate_size_per_partition(tp_size)
     shards = 2 if preset.is_gated else 1
     w13, s13 = synthetic_w13(preset, tp_size, device, seed)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    g13 = torch.rand(e, 1, device=device, generator=gen) * 1e-3 + 1e-4
-    g2 = torch.rand(e, device=device, generator=gen) * 1e-3 + 1e-4
+    g13 = _global_scales(e, device, gen).view(e, 1)
+    g2 = _global_scales(e, device, gen)
     return {
         "w13_weight": w13,
         "w13_weight_scale": s13,
@@ -114,7 +137,7 @@ def synthetic_layer_tensors(
     }
 
 
-def _make_layer(preset, tp_size, device, tensors, cap):
+def _make_layer(preset, tp_size, device, tensors, cap, mode="alpha"):
     from vllm.model_executor.layers.fused_moe.layer import FusedMoE
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
@@ -131,7 +154,7 @@ def _make_layer(preset, tp_size, device, tensors, cap):
         device=device,
         tp_size=tp_size,
         place_w3w1_at_load=False,  # tensors are copied in checkpoint layout
-        experts_kwargs={"max_transient_bytes": cap},
+        experts_kwargs={"max_transient_bytes": cap, "global_scale_mode": mode},
     )
     with torch.no_grad():
         for name, value in tensors.items():
@@ -216,8 +239,8 @@ def _legacy_run(tensors, gated, device, metered):
     return records, owned
 
 
-def _bounded_run(preset, tp_size, tensors, device, cap, metered):
-    layer = _make_layer(preset, tp_size, device, tensors, cap)
+def _bounded_run(preset, tp_size, tensors, device, cap, metered, mode="alpha"):
+    layer = _make_layer(preset, tp_size, device, tensors, cap, mode)
     steps = layer.quant_method.preparation_steps(layer)
     records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()), device,
                          metered)  # fmt: skip
@@ -230,16 +253,32 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _check_equal(layer, legacy: dict, layer_idx: int, same_w1_w3_scale: bool):
-    names = ["w13_weight", "w2_weight", "w2_weight_scale"]
-    if same_w1_w3_scale:
+def _check_equal(layer, legacy: dict, tensors: dict, layer_idx: int, mode: str):
+    """The bounded preparation's bytes against the legacy one's (weights, and
+    in "fold" mode the folded scales) or, in "alpha" mode, against the
+    checkpoint's own block scales reordered and swizzled."""
+    names = ["w13_weight", "w2_weight"]
+    s2 = tensors["w13_weight_scale_2"]
+    expected = {}
+    if mode == "fold" and bool((s2 == s2[:, :1]).all()):
         # With separate w1/w3 global scales the legacy fold is wrong (it used
         # w1's for both halves): only then do the w13 scales differ.
-        names.append("w13_weight_scale")
+        names += ["w13_weight_scale", "w2_weight_scale"]
+    elif mode == "alpha" and bool((s2 == s2[:, :1]).all()):
+        s13 = tensors["w13_weight_scale"]
+        if layer.moe_config.is_act_and_mul:
+            s13 = split_cat_halves(s13, -2)
+        expected = {
+            "w13_weight_scale": swizzle_blockscale(s13),
+            "w2_weight_scale": swizzle_blockscale(tensors["w2_weight_scale"]),
+        }
     for name in names:
-        if not _same_bytes(getattr(layer, name).data, legacy[name]):
+        expected[name] = legacy[name]
+    for name, want in expected.items():
+        if not _same_bytes(getattr(layer, name).data, want):
             raise RuntimeError(
-                f"layer {layer_idx}: bounded and legacy preparations differ in {name}"
+                f"layer {layer_idx}: the bounded preparation ({mode}) differs from "
+                f"the reference in {name}"
             )
 
 
@@ -272,8 +311,13 @@ def run_benchmark(
     seed: int = 0,
     progress: bool = True,
     layer_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None,
+    global_scale_mode: str = "alpha",
 ) -> dict:
     """Prepare ``num_layers`` layers of ``preset``, legacy and bounded.
+
+    The bounded preparation runs with ``global_scale_mode`` ("alpha", the
+    default, or upstream's "fold"); the first layer is also prepared in the
+    other mode to report the precision of both (``precision``).
 
     Layers are synthetic unless ``layer_tensors(i)`` returns the i-th MoE
     layer's parameters (checkpoint layout), e.g. read from a checkpoint.
@@ -291,6 +335,7 @@ def run_benchmark(
         )
     per_layer: list[dict] = []
     timelines: dict[str, list[dict]] = {}
+    precision: dict[str, dict] = {}
     resident = None
     shapes = None
     for idx in tqdm(range(layers), desc=preset.name, unit="layer",
@@ -306,16 +351,22 @@ def run_benchmark(
             # Timed runs, then the accuracy check, then metered runs.
             legacy_timed, legacy_out = _legacy_run(tensors, preset.is_gated, device,
                                                    False)  # fmt: skip
-            bounded_timed, layer = _bounded_run(preset, tp_size, tensors, device,
-                                                max_transient_bytes, False)  # fmt: skip
+            bounded_timed, layer = _bounded_run(
+                preset, tp_size, tensors, device, max_transient_bytes, False,
+                global_scale_mode,
+            )  # fmt: skip
             if not any(r.error for r in legacy_timed + bounded_timed):
-                s2 = tensors["w13_weight_scale_2"]
-                same = bool((s2 == s2[:, :1]).all())
-                _check_equal(layer, legacy_out, idx, same)
+                _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
+                if idx == 0:
+                    precision = _precision_both_modes(
+                        preset, tp_size, tensors, device, max_transient_bytes,
+                        layer, global_scale_mode,
+                    )  # fmt: skip
             del legacy_out, layer
             legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
             bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
-                                          max_transient_bytes, True)  # fmt: skip
+                                          max_transient_bytes, True,
+                                          global_scale_mode)  # fmt: skip
         row["legacy"] = _merge(legacy_timed, legacy_mem)
         row["bounded"] = _merge(bounded_timed, bounded_mem)
         if idx == 0:
@@ -362,6 +413,8 @@ def run_benchmark(
         "num_layers": layers,
         "activation": preset.activation,
         "max_transient_bytes": max_transient_bytes,
+        "global_scale_mode": global_scale_mode,
+        "precision": precision,
         "memory_limit_bytes": memory_limit,
         "memory_limit_ok": limit_ok,
         "memory_limit_enforced": device.type == "cuda" and memory_limit is not None,
@@ -374,6 +427,18 @@ def run_benchmark(
             for row in per_layer
         ],
     }
+
+
+def _precision_both_modes(preset, tp_size, tensors, device, cap, layer, mode):
+    """Precision of the first layer prepared in each global-scale mode, on
+    three sampled experts (first, middle, last)."""
+    e = preset.num_experts
+    experts = sorted({0, e // 2, e - 1})
+    out = {mode: prepared_weight_precision(layer, tensors, experts)}
+    other = "fold" if mode == "alpha" else "alpha"
+    _, other_layer = _bounded_run(preset, tp_size, tensors, device, cap, False, other)
+    out[other] = prepared_weight_precision(other_layer, tensors, experts)
+    return {m: out[m] for m in ("alpha", "fold")}
 
 
 def _merge(timed: list[StepRecord], metered: list[StepRecord]) -> list[StepRecord]:
@@ -479,6 +544,8 @@ def format_report(result: dict) -> str:
         f"{_mib(s['legacy']['total']['max_transient_bytes'])}, bounded "
         f"{_mib(s['bounded']['total']['max_transient_bytes'])}",
     ]
+    if result["precision"]:
+        lines += ["", _precision_table(result)]
     if result["memory_limit_bytes"] is not None:
         how = (
             "enforced with torch.cuda.set_per_process_memory_fraction"
@@ -493,6 +560,36 @@ def format_report(result: dict) -> str:
         lines.append(
             f"memory limit {_mib(result['memory_limit_bytes'])} above the resident "
             f"weights ({how}): {verdict}"
+        )
+    return "\n".join(lines)
+
+
+def _precision_table(result: dict) -> str:
+    p = result["precision"]
+    experts = p["alpha"]["experts"]
+    lines = [
+        f"precision of the prepared weights vs the checkpoint (first layer; decoded "
+        f"experts {experts}; block scales of all experts; running mode "
+        f"{result['global_scale_mode']!r}):",
+        f"{'mode':<7}{'rel. RMS':>10}{'subnormal':>12}{'saturated':>11}"
+        f"{'zero':>9}   (block scales of w13 + w2; checkpoint: "
+        + ", ".join(
+            f"{k} {sum(p['alpha'][t + '_checkpoint'][k] for t in ('w13', 'w2')):,}"
+            for k in ("subnormal", "saturated", "zero")
+        )
+        + ")",
+    ]
+    for mode in ("alpha", "fold"):
+        q = p[mode]
+        counts = {
+            k: sum(q[t][k] for t in ("w13", "w2"))
+            for k in ("total", "subnormal", "saturated", "zero")
+        }
+        lines.append(
+            f"{mode:<7}{q['rel_rms']:>10.4f}"
+            f"{100 * counts['subnormal'] / counts['total']:>11.1f}%"
+            f"{100 * counts['saturated'] / counts['total']:>10.2f}%"
+            f"{100 * counts['zero'] / counts['total']:>8.2f}%"
         )
     return "\n".join(lines)
 
@@ -595,6 +692,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         choices=["flashinfer_b12x"],
         help="the kernel whose weight preparation is measured (its preparation "
         "runs on any device; the kernel itself is not called)",
+    )
+    parser.add_argument(
+        "--global-scale-mode",
+        default="alpha",
+        choices=["alpha", "fold"],
+        help="how per-expert global scales reach the kernel: 'alpha' keeps them as "
+        "the kernel's alphas (exact, default); 'fold' multiplies them into the "
+        "FP8 block scales (upstream's contract)",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument(
@@ -738,6 +843,7 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=not args.no_progress,
         layer_tensors=layer_tensors,
+        global_scale_mode=args.global_scale_mode,
     )
     print(format_report(result))
     if args.plot:

@@ -10,6 +10,7 @@ from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
+    global_scale_from_modelopt,
     global_scale_to_modelopt,
     nvfp4_global_scale,
     quantize_nvfp4,
@@ -17,6 +18,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 
 __all__ = [
     "bf16_experts",
+    "dequantized_checkpoint_layer",
     "dequantized_experts",
     "fold_reference",
     "load_nvfp4_experts",
@@ -112,6 +114,26 @@ def dequantized_experts(
     w2 = deq(tensors["w2_weight"], tensors["w2_weight_scale"],
              tensors["w2_weight_scale_2"], 1)  # fmt: skip
     return w1, w2
+
+
+def dequantized_checkpoint_layer(ckpt, layer_idx: int, gated: bool):
+    """Float32 [w13 ([gate; up]) [E, 2I or I, H], w2 [E, H, I]] decoded from an
+    ``NVFP4MoECheckpoint``'s own tensors (its exact function)."""
+    parts = {}
+    for _, e, proj, suffix, t in ckpt.iter_layer_tensors(layer_idx):
+        parts[(e, proj, suffix)] = t
+    projs = ("gate_proj", "up_proj") if gated else ("up_proj",)
+
+    def deq(e, proj):
+        return dequantize_nvfp4(
+            parts[(e, proj, "weight")], parts[(e, proj, "weight_scale")],
+            global_scale_from_modelopt(parts[(e, proj, "weight_scale_2")]),
+        )  # fmt: skip
+
+    experts = range(ckpt.num_experts)
+    w13 = torch.stack([torch.cat([deq(e, p) for p in projs]) for e in experts])
+    w2 = torch.stack([deq(e, "down_proj") for e in experts])
+    return w13, w2
 
 
 def make_nvfp4_layer(

@@ -35,8 +35,8 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
 __all__ = ["random_bf16_experts", "write_nvfp4_moe_checkpoint"]
 
 
-def _global_scale(w: torch.Tensor, pow2: bool) -> torch.Tensor:
-    gs = nvfp4_global_scale(w.float().abs().amax())
+def _global_scale(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
+    gs = nvfp4_global_scale(w.float().abs().amax() if amax is None else amax)
     if pow2:
         # The largest power of two not above 448*6/amax: block scales stay
         # <= 448, and folding this scale into them is exact (an exponent shift).
@@ -44,9 +44,12 @@ def _global_scale(w: torch.Tensor, pow2: bool) -> torch.Tensor:
     return gs
 
 
-def _expert_tensors(w: torch.Tensor, fmt: str, pow2: bool, act_amax: float) -> dict:
-    """NVFP4 tensors of one projection weight [N, K] (suffix -> tensor)."""
-    gs = _global_scale(w, pow2)
+def _expert_tensors(
+    w: torch.Tensor, fmt: str, pow2: bool, act_amax: float, amax=None
+) -> dict:
+    """NVFP4 tensors of one projection weight [N, K] (suffix -> tensor); the
+    global scale from ``amax`` (default: w's own)."""
+    gs = _global_scale(w, pow2, amax)
     packed, scale = quantize_nvfp4(w, gs)
     in_gs = nvfp4_global_scale(torch.tensor(act_amax))
     if fmt == MODELOPT:
@@ -99,6 +102,7 @@ def write_nvfp4_moe_checkpoint(
     pow2_global_scales: bool = False,
     act_amax: float = 8.0,
     quant_config_in_config_json: bool = False,
+    shared_w13_global_scale: bool = False,
 ) -> Path:
     """Quantize and write the routed experts of ``layers`` as an NVFP4 checkpoint.
 
@@ -116,6 +120,9 @@ def write_nvfp4_moe_checkpoint(
         pow2_global_scales: round each global scale down to a power of two
             (a valid checkpoint whose scale fold is exact).
         act_amax: activation amax recorded as the static input scale.
+        shared_w13_global_scale: gate_proj and up_proj of an expert share one
+            global scale, from their joint amax (what ModelOpt exports);
+            default: each its own.
 
     Returns the output directory.
     """
@@ -137,9 +144,11 @@ def write_nvfp4_moe_checkpoint(
                 else {"up_proj": w13[ex]}
             )
             projs["down_proj"] = w2[ex]
+            joint = w13[ex].float().abs().amax() if shared_w13_global_scale else None
             for proj, w in projs.items():
+                amax = joint if proj != "down_proj" else None
                 for suffix, t in _expert_tensors(w, fmt, pow2_global_scales,
-                                                 act_amax).items():  # fmt: skip
+                                                 act_amax, amax).items():  # fmt: skip
                     tensors[f"{base}.{proj}.{suffix}"] = t.contiguous()
 
     shards: list[dict[str, torch.Tensor]] = [{}]
