@@ -371,8 +371,10 @@ def check_blockscale_values(
 
     ``scale`` is float8_e4m3fn [E, ...] (any layout, contiguous). E4M3 has no
     infinity; its NaN codes are 0x7F and 0xFF. Scales are ``amax / 6``, never
-    negative (-0.0 is accepted). The check reads the bytes in chunks of at
-    most ``max_transient_bytes`` (two bool masks of half a tile at most);
+    negative (-0.0 is accepted). One allocation-free min/max pass over the
+    bytes decides the common case; only a tensor that may hold a bad value is
+    scanned again in chunks of at most ``max_transient_bytes`` (two bool
+    masks of half a tile at most) to find it;
     the message names ``name`` and the first bad expert (``first_expert`` is
     the global id of index 0, for expert parallelism). Nothing is modified.
     """
@@ -382,6 +384,12 @@ def check_blockscale_values(
     per_expert = scale.numel() // e
     flat = scale.reshape(-1).view(torch.uint8)
     cap = _check_cap(max_transient_bytes)
+    # Fast path, one pass and no temporaries: as int8, valid scales are
+    # 0..126 (0x00..0x7E) and -128 (0x80, -0.0); NaN is 127 or -1 and the
+    # negatives are -127..-1. All in 0..126 is the common case.
+    lo, hi = torch.aminmax(flat.view(torch.int8))
+    if int(lo) >= 0 and int(hi) <= 126:
+        return
     step = max(1, min(cap // 4, _tile_bytes(scale.device) // 2))
     for start in range(0, flat.numel(), step):
         chunk = flat[start : start + step]
