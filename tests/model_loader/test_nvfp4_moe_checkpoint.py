@@ -541,3 +541,28 @@ def test_bad_scales_in_a_file_name_the_file_tensor_and_expert(tmp_path, case):
     text = str(err.value)
     assert "model-00001-of-00001.safetensors" in text
     assert name in text and message in text, text
+
+
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
+def test_load_layer_into_a_prepared_layer_equals_a_fresh_layer(tmp_path, fmt):
+    # An RL weight update: a second checkpoint loaded into the live, prepared
+    # layer, then prepared again.
+    for name, seed in (("a", 0), ("b", 7)):
+        layers = {0: random_bf16_experts(E, H, I, True, seed=seed)}
+        write_nvfp4_moe_checkpoint(tmp_path / name, layers, qwen_config(), fmt=fmt)
+    first = NVFP4MoECheckpoint(tmp_path / "a")
+    second = NVFP4MoECheckpoint(tmp_path / "b")
+    layer = make_layer()
+    first.load_layer(layer, 0)
+    layer.quant_method.process_weights_after_loading(layer)
+    second.load_layer(layer, 0)
+    layer.quant_method.process_weights_after_loading(layer)
+    fresh = make_layer()
+    second.load_layer(fresh, 0)
+    fresh.quant_method.process_weights_after_loading(fresh)
+    a, b = params_bytes(layer), params_bytes(fresh)
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(1)).bfloat16()
+    logits = torch.randn(8, E, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x, logits), fresh(x, logits))
