@@ -2,6 +2,8 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The peak-memory meter reads what torch allocates, on CPU and CUDA."""
 
+import gc
+
 import pytest
 import torch
 
@@ -81,3 +83,23 @@ def test_errors_in_the_block_propagate_and_stop_the_profiler():
 def test_unsupported_device():
     with pytest.raises(ValueError, match="cpu and cuda"), measure_peak_memory("meta"):
         pass
+
+
+def test_cpu_figure_does_not_depend_on_the_garbage_collector():
+    # Cyclic garbage holding a tensor allocated in an earlier measured block:
+    # collected in the middle of the next block, its free would be reported
+    # and the figure would drop (to -3 MiB net here, before the fix).
+    class Box:
+        pass
+
+    with measure_peak_memory("cpu"):
+        t = torch.empty(4 * MIB, dtype=torch.uint8)
+    box = Box()
+    box.self, box.t = box, t
+    del t, box
+    with measure_peak_memory("cpu") as mem:
+        y = torch.empty(MIB, dtype=torch.uint8)
+        junk = [[] for _ in range(5000)]  # enough to trigger a gen-0 collection
+    assert (mem.peak_bytes, mem.net_bytes) == (MIB, MIB)
+    assert gc.isenabled()
+    del y, junk

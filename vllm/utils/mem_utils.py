@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -100,7 +101,9 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     reported by torch's CPU accounting, so on CPU the figure is the peak of the
     block's own live allocations, an upper bound of the CUDA figure (which nets
     such frees out); the two agree when the block frees nothing older than
-    itself. Process RSS is not used: it depends on the C
+    itself. The cyclic garbage collector runs before the block and is paused
+    during it, so the figure does not depend on when it happens to run.
+    Process RSS is not used: it depends on the C
     allocator's caching and page reuse, not on what torch asked for. The
     profiler slows the block down: do not time code while measuring it.
     """
@@ -122,6 +125,13 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     )
+    # Cyclic garbage (an exception's traceback holding tensors, say) freed by
+    # the collector in the middle of the block would be reported as frees of
+    # tensors allocated in an earlier measured block and lower the figure at
+    # random: collect it first, and pause the collector while measuring.
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     with _stderr_fd_silenced():
         prof.start()
     try:
@@ -129,6 +139,8 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     finally:
         with _stderr_fd_silenced():
             prof.stop()
+        if gc_was_enabled:
+            gc.enable()
     level = peak = 0
     for t_ns, delta in _cpu_allocation_events(prof):
         level += delta
