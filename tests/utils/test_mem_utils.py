@@ -87,19 +87,25 @@ def test_unsupported_device():
 
 def test_cpu_figure_does_not_depend_on_the_garbage_collector():
     # Cyclic garbage holding a tensor allocated in an earlier measured block:
-    # collected in the middle of the next block, its free would be reported
-    # and the figure would drop (to -3 MiB net here, before the fix).
+    # collected in the middle of the next block (here explicitly, as the
+    # automatic collector may), its free would be reported and the figure
+    # would drop (to -3 MiB net, before the meter collected garbage first).
     class Box:
         pass
 
     with measure_peak_memory("cpu"):
         t = torch.empty(4 * MIB, dtype=torch.uint8)
-    box = Box()
-    box.self, box.t = box, t
-    del t, box
+    gc.disable()  # keep the cycle alive until the next block starts
+    try:
+        box = Box()
+        box.self, box.t = box, t
+        del t, box
+    finally:
+        gc.enable()
     with measure_peak_memory("cpu") as mem:
         y = torch.empty(MIB, dtype=torch.uint8)
-        junk = [[] for _ in range(5000)]  # enough to trigger a gen-0 collection
+        assert not gc.isenabled()  # paused while measuring
+        gc.collect()
     assert (mem.peak_bytes, mem.net_bytes) == (MIB, MIB)
     assert gc.isenabled()
-    del y, junk
+    del y
