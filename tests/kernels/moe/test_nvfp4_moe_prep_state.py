@@ -321,6 +321,36 @@ def test_real_sigint_lands_between_chunks():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+class SigintThenRaise(TorchFunctionMode):
+    """A real SIGINT after the first ``copy_``, then ``Interrupt`` instead of
+    the second: both arrive inside the same chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "copy_":
+            self.copies += 1
+            if self.copies == 2:
+                raise Interrupt("second copy")
+        out = func(*args, **(kwargs or {}))
+        if self.copies == 1 and getattr(func, "__name__", "") == "copy_":
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+
+def test_held_back_sigint_is_not_lost_when_another_exception_leaves():
+    w = torch.arange(4 * 8 * 64, dtype=torch.int64).to(torch.uint8).view(4, 8, 64)
+    s = torch.zeros(4, 8, 8, dtype=torch.uint8)
+    wk = w.clone()
+    with pytest.raises(KeyboardInterrupt) as info, SigintThenRaise():
+        reorder_w1w3_to_w3w1(wk, s.clone(), max_transient_bytes=128)
+    assert isinstance(info.value.__context__, Interrupt)
+    assert torch.equal(wk, w)  # the chunk in flight was left untouched
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 # --- 5. the swizzle writes only the tensor's own bytes ---------------------------
 
 

@@ -160,7 +160,9 @@ def _deferred_interrupts() -> Iterator[_InterruptLatch]:
         yield latch
     finally:
         signal.signal(signal.SIGINT, previous)
-    latch.release()
+        # Even when another exception is leaving the step, a Ctrl-C held back
+        # is not lost: it is raised (with that exception as its context).
+        latch.release()
 
 
 def _run_chunks(
