@@ -355,14 +355,29 @@ def run_benchmark(
                 preset, tp_size, tensors, device, max_transient_bytes, False,
                 global_scale_mode,
             )  # fmt: skip
-            if not any(r.error for r in legacy_timed + bounded_timed):
+            ok = not any(r.error for r in legacy_timed + bounded_timed)
+            if ok:
                 _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
-                if idx == 0:
-                    precision = _precision_both_modes(
-                        preset, tp_size, tensors, device, max_transient_bytes,
-                        layer, global_scale_mode,
-                    )  # fmt: skip
-            del legacy_out, layer
+            del legacy_out
+            if ok and idx == 0:
+                experts = sorted({0, preset.num_experts // 2, preset.num_experts - 1})
+                precision[global_scale_mode] = prepared_weight_precision(
+                    layer, tensors, experts
+                )
+            # Dropped before the other mode's copy is prepared: the tensors
+            # and one layer are alive at a time (DeepSeek-V3: 6 GiB each).
+            del layer
+            if ok and idx == 0:
+                other = "fold" if global_scale_mode == "alpha" else "alpha"
+                _, other_layer = _bounded_run(
+                    preset, tp_size, tensors, device, max_transient_bytes, False,
+                    other,
+                )  # fmt: skip
+                precision[other] = prepared_weight_precision(
+                    other_layer, tensors, experts
+                )
+                del other_layer
+                precision = {m: precision[m] for m in ("alpha", "fold")}
             legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
             bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
                                           max_transient_bytes, True,
@@ -427,18 +442,6 @@ def run_benchmark(
             for row in per_layer
         ],
     }
-
-
-def _precision_both_modes(preset, tp_size, tensors, device, cap, layer, mode):
-    """Precision of the first layer prepared in each global-scale mode, on
-    three sampled experts (first, middle, last)."""
-    e = preset.num_experts
-    experts = sorted({0, e // 2, e - 1})
-    out = {mode: prepared_weight_precision(layer, tensors, experts)}
-    other = "fold" if mode == "alpha" else "alpha"
-    _, other_layer = _bounded_run(preset, tp_size, tensors, device, cap, False, other)
-    out[other] = prepared_weight_precision(other_layer, tensors, experts)
-    return {m: out[m] for m in ("alpha", "fold")}
 
 
 def _merge(timed: list[StepRecord], metered: list[StepRecord]) -> list[StepRecord]:
