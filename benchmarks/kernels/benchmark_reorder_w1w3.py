@@ -28,7 +28,7 @@ import torch
 
 from vllm.benchmarks.legacy_moe_prep import clone_chunk_reorder, split_cat_reorder
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS
-from vllm.benchmarks.moe_weight_prep import synthetic_w13
+from vllm.benchmarks.moe_synthetic_weights import synthetic_w13
 from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as fp4_moe
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,

@@ -44,6 +44,17 @@ from vllm.benchmarks.moe_model_presets import (
     get_preset,
 )
 from vllm.benchmarks.moe_prep_precision import prepared_weight_precision
+from vllm.benchmarks.moe_synthetic_weights import (
+    synthetic_layer_tensors,
+    synthetic_w13,
+)
+from vllm.benchmarks.moe_weight_prep_report import (
+    REPORTED_STEPS,
+    VARIANTS,
+    format_mib,
+    format_report,
+    write_plot,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
 )
@@ -62,79 +73,6 @@ __all__ = [
 ]
 
 MIB = 1 << 20
-#: Steps reported per variant; "total" is the whole preparation.
-REPORTED_STEPS = ("reorder", "swizzle", "fold", "total")
-VARIANTS = ("legacy", "bounded")
-
-
-# --- synthetic layers ------------------------------------------------------------
-
-
-def _random_bytes(n: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    # int64 random_ fills 8 bytes per draw: much faster than uint8 randint.
-    words = torch.empty(-(-n // 8), dtype=torch.int64, device=device)
-    words.random_(generator=gen)
-    return words.view(torch.uint8)[:n]
-
-
-def _random_scales(shape, device, gen) -> torch.Tensor:
-    # Block scales as a ModelOpt checkpoint has them: block amax / tensor amax
-    # * 448, for Gaussian weights mostly 64..448: float8_e4m3fn bytes
-    # 0x68..0x7E (64 is 0x68, 448 is 0x7E).
-    raw = torch.randint(0x68, 0x7F, shape, dtype=torch.uint8, device=device,
-                        generator=gen)  # fmt: skip
-    return raw.view(torch.float8_e4m3fn)
-
-
-#: Nominal expert weight std of the synthetic layers (real checkpoints have
-#: about 0.005-0.05); each expert's is drawn from [0.5, 1.5] times it.
-SYNTHETIC_WEIGHT_STD = 0.02
-
-
-def _global_scales(n: int, device, gen) -> torch.Tensor:
-    """ModelOpt ``weight_scale_2`` = amax / (448 * 6) of Gaussian experts,
-    amax ~ 5 std (the largest of about a million draws)."""
-    std = SYNTHETIC_WEIGHT_STD * (0.5 + torch.rand(n, device=device, generator=gen))
-    return 5 * std / (448 * 6)
-
-
-def synthetic_w13(
-    preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ``w13_weight`` [E, rows, H/2] uint8 and ``w13_weight_scale``
-    [E, rows, H/16] float8_e4m3fn (finite, positive) of the preset's shapes."""
-    rows = preset.w13_rows(tp_size)
-    e, h = preset.num_experts, preset.hidden_size
-    gen = torch.Generator(device=device).manual_seed(seed)
-    weight = _random_bytes(e * rows * (h // 2), device, gen).view(e, rows, h // 2)
-    return weight, _random_scales((e, rows, h // 16), device, gen)
-
-
-def synthetic_layer_tensors(
-    preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
-) -> dict[str, torch.Tensor]:
-    """One MoE layer's ModelOpt NVFP4 parameters with random contents, keyed
-    by FusedMoE parameter name (checkpoint layout): random codes, block and
-    global scales of the magnitudes real checkpoints have (see
-    ``_random_scales`` and ``SYNTHETIC_WEIGHT_STD``). w1 and w3 share a global
-    scale, as ModelOpt exports them (and so the legacy fold is comparable)."""
-    e, h = preset.num_experts, preset.hidden_size
-    i = preset.intermediate_size_per_partition(tp_size)
-    shards = 2 if preset.is_gated else 1
-    w13, s13 = synthetic_w13(preset, tp_size, device, seed)
-    gen = torch.Generator(device=device).manual_seed(seed + 1)
-    g13 = _global_scales(e, device, gen).view(e, 1)
-    g2 = _global_scales(e, device, gen)
-    return {
-        "w13_weight": w13,
-        "w13_weight_scale": s13,
-        "w13_weight_scale_2": g13.expand(e, shards).contiguous(),
-        "w13_input_scale": torch.ones(e, shards, device=device),
-        "w2_weight": _random_bytes(e * h * (i // 2), device, gen).view(e, h, i // 2),
-        "w2_weight_scale": _random_scales((e, h, i // 16), device, gen),
-        "w2_weight_scale_2": g2,
-        "w2_input_scale": torch.ones(e, device=device),
-    }
 
 
 def _make_layer(preset, tp_size, device, tensors, cap, mode="alpha"):
@@ -503,138 +441,6 @@ class _memory_limit:
 # --- reporting --------------------------------------------------------------------
 
 
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / MIB:,.1f} MiB"
-
-
-def _secs(n: float | None) -> str:
-    return "-" if n is None else f"{n:.3f} s"
-
-
-def format_report(result: dict) -> str:
-    """The human-readable table for one :func:`run_benchmark` result."""
-    s = result["summary"]
-    lines = [
-        f"model {result['model']} ({result['hf_id']}, {result['source']} weights), "
-        f"device {result['device']}, "
-        f"TP {result['tp_size']}, {result['num_layers']} MoE layers, "
-        f"activation {result['activation']}",
-        f"per layer: w13 {result['shapes']['w13_weight']} + w2 "
-        f"{result['shapes']['w2_weight']} with scales, resident "
-        f"{_mib(result['resident_bytes_per_layer'])}; bounded cap "
-        f"{_mib(result['max_transient_bytes'])}",
-        "",
-        f"{'step':<9}{'legacy peak':>14}{'bounded peak':>15}"
-        f"{'legacy time':>14}{'bounded time':>15}",
-    ]
-    for step in REPORTED_STEPS:
-        leg, bnd = s["legacy"][step], s["bounded"][step]
-        lines.append(
-            f"{step:<9}{_mib(leg['max_transient_bytes']):>14}"
-            f"{_mib(bnd['max_transient_bytes']):>15}"
-            f"{_secs(leg['total_time_s']):>14}{_secs(bnd['total_time_s']):>15}"
-        )
-    total_bytes = result["num_layers"] * result["resident_bytes_per_layer"]
-    lt, bt = s["legacy"]["total"]["total_time_s"], s["bounded"]["total"]["total_time_s"]
-    lines += [
-        "(peak: the most free memory one layer's step needs above the resident "
-        "weights; time: summed over layers)",
-        "",
-        f"totals: {result['num_layers']} layers, {_mib(total_bytes)} of expert "
-        f"weights prepared; time legacy {_secs(lt)}, bounded {_secs(bt)}"
-        + (f" ({lt / bt:.1f}x faster)" if lt and bt else ""),
-        "free memory needed above the resident weights: legacy "
-        f"{_mib(s['legacy']['total']['max_transient_bytes'])}, bounded "
-        f"{_mib(s['bounded']['total']['max_transient_bytes'])}",
-    ]
-    if result["precision"]:
-        lines += ["", _precision_table(result)]
-    if result["memory_limit_bytes"] is not None:
-        how = (
-            "enforced with torch.cuda.set_per_process_memory_fraction"
-            if result["memory_limit_enforced"]
-            else "checked against the meter"
-        )
-        verdict = ", ".join(
-            f"{v} {'fits' if ok else 'EXCEEDS'}"
-            + (f" ({s[v]['total']['errors'][0]})" if s[v]["total"]["errors"] else "")
-            for v, ok in result["memory_limit_ok"].items()
-        )
-        lines.append(
-            f"memory limit {_mib(result['memory_limit_bytes'])} above the resident "
-            f"weights ({how}): {verdict}"
-        )
-    return "\n".join(lines)
-
-
-def _precision_table(result: dict) -> str:
-    p = result["precision"]
-    experts = p["alpha"]["experts"]
-    lines = [
-        f"precision of the prepared weights vs the checkpoint (first layer; decoded "
-        f"experts {experts}; block scales of all experts; running mode "
-        f"{result['global_scale_mode']!r}):",
-        f"{'mode':<7}{'rel. RMS':>10}{'subnormal':>12}{'saturated':>11}"
-        f"{'zero':>9}   (block scales of w13 + w2; checkpoint: "
-        + ", ".join(
-            f"{k} {sum(p['alpha'][t + '_checkpoint'][k] for t in ('w13', 'w2')):,}"
-            for k in ("subnormal", "saturated", "zero")
-        )
-        + ")",
-    ]
-    for mode in ("alpha", "fold"):
-        q = p[mode]
-        counts = {
-            k: sum(q[t][k] for t in ("w13", "w2"))
-            for k in ("total", "subnormal", "saturated", "zero")
-        }
-        lines.append(
-            f"{mode:<7}{q['rel_rms']:>10.4f}"
-            f"{100 * counts['subnormal'] / counts['total']:>11.1f}%"
-            f"{100 * counts['saturated'] / counts['total']:>10.2f}%"
-            f"{100 * counts['zero'] / counts['total']:>8.2f}%"
-        )
-    return "\n".join(lines)
-
-
-def write_plot(result: dict, path: str) -> None:
-    """PNG of the first layer's memory over the preparation steps, legacy and
-    bounded side by side (MiB allocated above the resident weights)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, variant in zip(axes, VARIANTS, strict=True):
-        x0, base = 0.0, 0.0
-        for rec in result["first_layer_timelines"][variant]:
-            xs, ys = [x0], [base]
-            levels = [lvl for _, lvl in rec["timeline"]]
-            if not levels and rec["peak_bytes"] is not None:
-                levels = [rec["peak_bytes"], rec["growth_bytes"]]  # CUDA: no timeline
-            for j, lvl in enumerate(levels):
-                xs.append(x0 + (j + 1) / (len(levels) + 1))
-                ys.append(base + lvl / MIB)
-            base += rec["growth_bytes"] / MIB
-            xs.append(x0 + 1)
-            ys.append(base)
-            ax.step(xs, ys, where="post")
-            x0 += 1
-        ax.axhline(result["max_transient_bytes"] / MIB, color="grey", ls="--", lw=0.8)
-        steps = [rec["step"] for rec in result["first_layer_timelines"][variant]]
-        ax.set_xticks([i + 0.5 for i in range(len(steps))], steps, fontsize=8)
-        ax.set_title(variant)
-    axes[0].set_ylabel("MiB allocated above the resident weights")
-    fig.suptitle(
-        f"{result['model']}: one MoE layer's weight preparation on "
-        f"{result['device']} (dashed: bounded cap)"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # --- command line ---------------------------------------------------------------------
 
 
@@ -782,7 +588,7 @@ def _list_presets() -> str:
         lines.append(
             f"{p.name:<26}{p.num_moe_layers:>7}{p.hidden_size:>6}"
             f"{p.num_experts:>5}{p.top_k:>6}{p.intermediate_size:>7}  "
-            f"{p.activation:<5} {_mib(nbytes):>12}"
+            f"{p.activation:<5} {format_mib(nbytes):>12}"
         )
     return "\n".join(lines)
 
@@ -860,7 +666,7 @@ def main(args: argparse.Namespace) -> int:
     if limit_ok is not None and not limit_ok["bounded"]:
         print(
             "vllm bench moe-weight-prep: error: the bounded preparation exceeds "
-            f"--memory-limit {_mib(args.memory_limit)}",
+            f"--memory-limit {format_mib(args.memory_limit)}",
             file=sys.stderr,
         )
         return 1

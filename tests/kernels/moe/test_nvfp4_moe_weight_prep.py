@@ -21,7 +21,7 @@ from vllm.benchmarks.legacy_moe_prep import (
     split_cat_halves,
 )
 from vllm.benchmarks.moe_model_presets import get_preset
-from vllm.benchmarks.moe_weight_prep import synthetic_layer_tensors
+from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     blockscale_storage_for_swizzle,
