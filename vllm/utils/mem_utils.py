@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -40,26 +39,51 @@ class PeakMemory:
         return self.peak_bytes / (1 << 20)
 
 
-def _cpu_allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    """(time_ns, signed bytes) of every CPU allocator event the profiler saw.
+def _cpu_allocation_events(
+    prof: torch.profiler.profile,
+) -> list[tuple[int, int, int]]:
+    """(time_ns, signed bytes, pointer) of every CPU allocator event the
+    profiler saw, in time order.
 
     Reads the profiler's event tree (``experimental_event_tree``, a private
     torch API; tests/utils/test_mem_utils.py pins its behaviour for the torch
     this tree installs)."""
     from torch._C._profiler import _EventType
 
-    events: list[tuple[int, int]] = []
+    events: list[tuple[int, int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
         if node.tag == _EventType.Allocation:
             fields = node.extra_fields
             if fields.device.type == "cpu":
-                events.append((node.start_time_ns, fields.alloc_size))
+                events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
         stack.extend(node.children)
     # A stable sort on time keeps the recorded order of same-timestamp events.
     events.sort(key=lambda e: e[0])
     return events
+
+
+def _own_allocation_levels(
+    events: list[tuple[int, int, int]],
+) -> list[tuple[int, int]]:
+    """(time_ns, bytes live) after each event, counting only blocks allocated
+    inside the measured block: torch's CPU size table can keep a stale entry
+    for a pointer freed while no profiler ran, so a free of an older tensor
+    at a reused address may be reported with some other block's size (seen
+    as a random negative figure). Such frees are ignored."""
+    live: dict[int, int] = {}
+    level, out = 0, []
+    for t_ns, delta, ptr in events:
+        if delta > 0:
+            live[ptr] = live.get(ptr, 0) + delta
+            level += delta
+        elif delta < 0 and ptr in live:
+            level -= live.pop(ptr)
+        else:
+            continue
+        out.append((t_ns, level))
+    return out
 
 
 @contextlib.contextmanager
@@ -101,9 +125,9 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     reported by torch's CPU accounting, so on CPU the figure is the peak of the
     block's own live allocations, an upper bound of the CUDA figure (which nets
     such frees out); the two agree when the block frees nothing older than
-    itself. The cyclic garbage collector runs before the block and is paused
-    during it, so the figure does not depend on when it happens to run.
-    Process RSS is not used: it depends on the C
+    itself. Frees are matched to the block's own allocations by pointer, so
+    neither a garbage collection during the block nor a stale entry in
+    torch's size table changes the figure. Process RSS is not used: it depends on the C
     allocator's caching and page reuse, not on what torch asked for. The
     profiler slows the block down: do not time code while measuring it.
     """
@@ -125,13 +149,6 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     prof = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     )
-    # Cyclic garbage (an exception's traceback holding tensors, say) freed by
-    # the collector in the middle of the block would be reported as frees of
-    # tensors allocated in an earlier measured block and lower the figure at
-    # random: collect it first, and pause the collector while measuring.
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     with _stderr_fd_silenced():
         prof.start()
     try:
@@ -139,12 +156,6 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     finally:
         with _stderr_fd_silenced():
             prof.stop()
-        if gc_was_enabled:
-            gc.enable()
-    level = peak = 0
-    for t_ns, delta in _cpu_allocation_events(prof):
-        level += delta
-        peak = max(peak, level)
-        result.timeline.append((t_ns, level))
-    result.peak_bytes = peak
-    result.net_bytes = level
+    result.timeline = _own_allocation_levels(_cpu_allocation_events(prof))
+    result.peak_bytes = max((lvl for _, lvl in result.timeline), default=0)
+    result.net_bytes = result.timeline[-1][1] if result.timeline else 0
