@@ -59,6 +59,7 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     check_blockscale_values,
     fold_global_scale_into_blockscale_,
+    moe_prep_threads,
     reorder_w1w3_to_w3w1,
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
@@ -235,8 +236,11 @@ class FlashInferB12xExperts(FusedMoEExperts):
         continues from its last whole chunk) and gives the bytes of an
         uninterrupted preparation. See ``weight_prep_state``.
         """
-        for _, step in self.preparation_steps(layer):
-            step()
+        # One thread setting for the whole preparation (see moe_prep_threads):
+        # switching it per step would cost a thread-team restart each time.
+        with moe_prep_threads(layer.w13_weight.device):
+            for _, step in self.preparation_steps(layer):
+                step()
 
     def _scale_geometry(self, prefix: str) -> tuple[int, int, int]:
         moe = self.moe
@@ -406,7 +410,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         if state.status is PrepStatus.PREPARED:
             state.begin(PrepStatus.RESTORING)
         cap = self.max_transient_bytes
-        with torch.no_grad():
+        with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
             for prefix in ("w13", "w2"):
                 name = f"{prefix}_weight_scale"
                 step = f"unswizzle.{name}"

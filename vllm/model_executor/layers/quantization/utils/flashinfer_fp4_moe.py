@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm import envs
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     FLOAT8_E4M3_MAX,
     swizzled_blockscale_shape,
@@ -23,6 +24,7 @@ __all__ = [
     "blockscale_storage_for_swizzle",
     "check_blockscale_values",
     "fold_global_scale_into_blockscale_",
+    "moe_prep_threads",
     "reorder_w1w3_to_w3w1",
     "swizzle_blockscale_bounded",
     "unswizzle_blockscale_bounded_",
@@ -165,10 +167,44 @@ def _deferred_interrupts() -> Iterator[_InterruptLatch]:
         latch.release()
 
 
+@contextlib.contextmanager
+def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
+    """Run the enclosed weight preparation with ``VLLM_MOE_PREP_CPU_THREADS``
+    intra-op threads when ``device`` is a CPU (1 by default; 0 leaves
+    torch's setting); elsewhere, or when already set, a no-op.
+
+    Why one thread: a bounded step is many short operations on cache-sized
+    chunks, and every parallel operation waits for its slowest thread. When
+    another process holds a core, that wait (a scheduler time slice) dwarfs
+    the work: at the Qwen3.6-35B-A3B layer shape, with a torch process
+    copying on the other core, the reorder took 525 ms on two threads and
+    23 ms on one; on a quiet machine one thread costs about 1.3x (see the
+    design page, "Threads"). The previous setting is restored on exit;
+    nested uses change nothing. The setting is process-wide while it lasts.
+    """
+    n = envs.VLLM_MOE_PREP_CPU_THREADS
+    if torch.device(device).type != "cpu" or n == 0:
+        yield
+        return
+    previous = torch.get_num_threads()
+    if previous == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _run_chunks(
-    n: int, do_chunk: Callable[[int], None], progress: ChunkProgress | None
+    n: int,
+    do_chunk: Callable[[int], None],
+    progress: ChunkProgress | None,
+    device: torch.device | None = None,
 ) -> None:
-    """Run ``do_chunk(0..n-1)`` in order, resuming after ``progress.done``."""
+    """Run ``do_chunk(0..n-1)`` in order, resuming after ``progress.done``,
+    under :func:`moe_prep_threads` for ``device``."""
     start = 0
     if progress is not None:
         if progress.total is None:
@@ -180,7 +216,8 @@ def _run_chunks(
                 "resume)"
             )
         start = progress.done
-    with _deferred_interrupts() as latch:
+    threads = contextlib.nullcontext() if device is None else moe_prep_threads(device)
+    with threads, _deferred_interrupts() as latch:
         for idx in range(start, n):
             do_chunk(idx)
             if progress is not None:
@@ -333,7 +370,7 @@ def reorder_w1w3_to_w3w1(
             b = halves[row : row + rows, 1, start : start + n]
             _swap_chunk(a, b, buf[: rows * n].view(rows, n))
 
-        _run_chunks(len(chunks), swap, progress)
+        _run_chunks(len(chunks), swap, progress, weight.device)
     return weight, scale
 
 
@@ -389,7 +426,8 @@ def check_blockscale_values(
     # Fast path, one pass and no temporaries: as int8, valid scales are
     # 0..126 (0x00..0x7E) and -128 (0x80, -0.0); NaN is 127 or -1 and the
     # negatives are -127..-1. All in 0..126 is the common case.
-    lo, hi = torch.aminmax(flat.view(torch.int8))
+    with moe_prep_threads(scale.device):
+        lo, hi = torch.aminmax(flat.view(torch.int8))
     if int(lo) >= 0 and int(hi) <= 126:
         return
     step = max(1, min(cap // 4, _tile_bytes(scale.device) // 2))
@@ -409,6 +447,43 @@ def check_blockscale_values(
             )
 
 
+# The fold's fixed allocations: the 256 FP8 codes as float32 (1 KiB, 1.25 KiB
+# while they are made) and, per (expert, row group) segment, its float32
+# factor (a view when scale_2 is float32); per segment in a chunk: its table
+# (float32 and FP8: 1280 bytes) and offset (4 bytes); per element in a chunk:
+# its int32 index (4 bytes).
+_FOLD_CODES_BYTES = 1280
+_FOLD_TABLE_BYTES = 256 * 5 + 4
+
+
+def _fold_min_cap(segments: int) -> int:
+    """The smallest cap the fold works with: codes, factors, one table and
+    the index of one element."""
+    return _FOLD_CODES_BYTES + 4 * segments + _FOLD_TABLE_BYTES + 4
+
+
+def _unit_chunks(units: int, unit_len: int, per: int) -> list[tuple[int, ...]]:
+    """Chunks ``(first unit, n units, start, length)`` covering ``units``
+    units of ``unit_len`` items with at most ``per`` items each: several
+    whole units per chunk when one fits (``start == 0``, ``length ==
+    unit_len``), else pieces of one unit. Never more than about twice
+    ``units * unit_len / per`` chunks, whatever the unit size."""
+    if unit_len <= per:
+        k = per // unit_len
+        return [(u, min(k, units - u), 0, unit_len) for u in range(0, units, k)]
+    return [
+        (u, 1, s, min(per, unit_len - s))
+        for u in range(units)
+        for s in range(0, unit_len, per)
+    ]
+
+
+def _fp8_codes(device: torch.device) -> torch.Tensor:
+    """float32 [256]: the value of every float8_e4m3fn byte 0x00..0xFF."""
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).float()
+
+
 def fold_global_scale_into_blockscale_(
     scale: torch.Tensor,
     scale_2: torch.Tensor,
@@ -425,17 +500,26 @@ def fold_global_scale_into_blockscale_(
             for G equal row groups per expert (G = 2 for ``w13`` with separate
             w1 and w3 scales: rows [0, R/2) use ``scale_2[:, 0]``, rows
             [R/2, R) use ``scale_2[:, 1]``).
-        max_transient_bytes: cap on what the call allocates (>= 4).
+        max_transient_bytes: cap on what the call allocates: at least
+            2.5 KiB plus 4 bytes per (expert, row group).
         progress: resumption point (see :class:`ChunkProgress`); without it a
             retry after an exception would fold the chunks already done twice.
 
     Returns ``scale`` itself, each element replaced by
     ``fp8(clamp(float(scale) * scale_2, -448, 448))`` (round to nearest
-    even). The float32 work is done through one reused buffer of at most
-    ``max_transient_bytes`` (never the 4x-size float32 copy of the whole
-    tensor). ``scale_2`` is not modified: the caller sets it to 1 once the
-    whole tensor is folded. Each chunk is written by one copy, after it is
-    computed: an exception leaves it folded or untouched.
+    even). ``scale_2`` is not modified: the caller sets it to 1 once the
+    whole tensor is folded.
+
+    How: each (expert, row group) segment maps each of the 256 FP8 bytes
+    through the same function, so a chunk of segments builds that
+    function's 256-entry table for each of its segments (the float32 formula
+    above, applied to every code) and looks its bytes up in it
+    (``index_select`` on an int32 index): bit-identical to the formula,
+    with no FP8 -> float32 conversion of the data. Chunks hold whole
+    segments when one fits the buffer, else pieces of one segment, so the
+    call issues O(bytes / tile) operations. Each chunk is written by one
+    operation, after its table and index are built: an exception leaves it
+    folded or untouched.
     """
     _check_blockscale("scale", scale)
     cap = _check_cap(max_transient_bytes)
@@ -452,48 +536,54 @@ def fold_global_scale_into_blockscale_(
         raise ValueError(
             f"scale_2 is on {scale_2.device} but scale is on {scale.device}"
         )
-    if cap < 4:
+    segs = e * groups
+    if cap < _fold_min_cap(segs):
         raise ValueError(
-            f"max_transient_bytes must be at least 4 (one float32), got {cap}"
+            f"max_transient_bytes must be at least {_fold_min_cap(segs)} for "
+            f"the fold of {segs} (expert, row group) segments (the 256 FP8 "
+            f"codes, one lookup table, one index, the factors), got {cap}"
         )
     if scale.numel() == 0:
         _run_chunks(0, lambda idx: None, progress)
         return scale
-    factors = scale_2.reshape(e, groups).float()  # [E, G] (a view when float32)
-    segments = scale.view(e, groups, (r // groups) * c)  # [E, G, L]
-    seg_len = segments.shape[2]
-    n = min(cap // 4, _tile_bytes(scale.device) // 4, scale.numel())
-    if groups * seg_len <= n:
-        per = n // (groups * seg_len)
-        # (first expert, experts) chunks of whole experts
-        chunks = [(s, min(per, e - s), 0, 0, 0) for s in range(0, e, per)]
+    seg_len = (r // groups) * c
+    data = scale.view(torch.uint8).view(segs, seg_len)  # [E*G, L]
+    budget = max(min(cap, _tile_bytes(scale.device)), _fold_min_cap(segs))
+    budget -= _FOLD_CODES_BYTES + 4 * segs  # what chunks may use
+    if seg_len * 4 + _FOLD_TABLE_BYTES <= budget:
+        per = (budget // (seg_len * 4 + _FOLD_TABLE_BYTES)) * seg_len
     else:
-        # (expert, 1, group, start, length) pieces of one row group
-        chunks = [
-            (i, 1, g, s, min(n, seg_len - s))
-            for i in range(e)
-            for g in range(groups)
-            for s in range(0, seg_len, n)
-        ]
+        per = (budget - _FOLD_TABLE_BYTES) // 4
+    chunks = _unit_chunks(segs, seg_len, per)
+    kmax = max(k for _, k, _, _ in chunks)
+    nmax = max(k * n for _, k, _, n in chunks)
     with torch.no_grad():
-        buf = torch.empty(n, dtype=torch.float32, device=scale.device)
+        factors = scale_2.reshape(segs).float()  # [E*G]
+        codes = _fp8_codes(scale.device).view(1, 256)
+        table_f = torch.empty(kmax, 256, dtype=torch.float32, device=scale.device)
+        table = torch.empty(kmax * 256, dtype=torch.uint8, device=scale.device)
+        offsets = torch.arange(0, kmax * 256, 256, dtype=torch.int32,
+                               device=scale.device)  # fmt: skip
+        index = torch.empty(nmax, dtype=torch.int32, device=scale.device)
 
         def fold(idx: int) -> None:
-            first, k, g, start, length = chunks[idx]
-            if length == 0:  # whole experts
-                src = segments[first : first + k]
-                tmp = buf[: k * groups * seg_len].view(k, groups, seg_len)
-                f = factors[first : first + k].unsqueeze(-1)
-            else:
-                src = segments[first, g, start : start + length]
-                tmp = buf[:length]
-                f = factors[first, g]
-            tmp.copy_(src)
-            tmp.mul_(f)
-            tmp.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
-            src.copy_(tmp)  # the chunk's only write
+            first, k, start, n = chunks[idx]
+            # The k tables: fp8(clamp(code * factor)) for all 256 codes.
+            tf = table_f[:k]
+            torch.mul(codes, factors[first : first + k].unsqueeze(1), out=tf)
+            tf.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+            table[: k * 256].view(torch.float8_e4m3fn).view(k, 256).copy_(tf)
+            # index = byte + 256 * (segment within the chunk)
+            src = data[first : first + k, start : start + n]
+            ix = index[: k * n].view(k, n)
+            ix.copy_(src)
+            if k > 1:
+                ix.add_(offsets[:k].unsqueeze(1))
+            # The chunk's only write: the looked-up bytes onto the source.
+            torch.index_select(table[: k * 256], 0, index[: k * n],
+                               out=src.view(k * n))  # fmt: skip
 
-        _run_chunks(len(chunks), fold, progress)
+        _run_chunks(len(chunks), fold, progress, scale.device)
     return scale
 
 
@@ -516,10 +606,60 @@ def _storage_view(t: torch.Tensor, numel: int) -> torch.Tensor:
     return out.set_(t.untyped_storage(), t.storage_offset(), (numel,))
 
 
-def _swizzle_group_chunks(e: int, groups: int, per: int) -> list[tuple[int, int]]:
-    """(expert, first group) of each chunk of up to ``per`` groups, in
-    first-to-last order."""
-    return [(i, g) for i in range(e) for g in range(0, groups, per)]
+class _GroupPlan:
+    """How the swizzle and its inverse walk [E, R, C] scales 128 rows at a
+    time, in chunks of at most ``per_chunk`` groups (G = Rp / 128 groups per
+    expert, group j of expert i is global group i * G + j).
+
+    When R is a multiple of 128 no group straddles two experts and the
+    expert boundary does not matter: the tensor is walked as one [1, E*R, C]
+    expert. Otherwise a chunk holds whole experts when one fits, else groups
+    of one expert. Either way a chunk is one strided block of the linear
+    tensor and one contiguous block of the swizzled one, so it is read and
+    written by one copy each, and there are O(bytes / chunk) chunks.
+    """
+
+    def __init__(self, e: int, r: int, c: int, per_chunk: int) -> None:
+        rp, cp = swizzled_blockscale_shape(r, c)
+        if r % 128 == 0 and e > 0:
+            e, r, rp = 1, e * r, e * rp
+        self.e, self.r, self.c, self.cp = e, r, c, cp
+        self.groups = rp // 128  # per (walked) expert
+        # (first expert, experts, first group, groups)
+        self.chunks = _unit_chunks(e, self.groups, max(1, per_chunk))
+
+    def linear(self, flat: torch.Tensor) -> torch.Tensor:
+        """The linear [e, r, c] view of the first bytes of ``flat``."""
+        return flat[: self.e * self.r * self.c].view(self.e, self.r, self.c)
+
+    def rows(self, chunk: tuple[int, int, int, int]) -> tuple[int, int]:
+        """The linear rows [lo, hi) a chunk covers in each of its experts."""
+        _, _, g0, n = chunk
+        return g0 * 128, min(self.r, (g0 + n) * 128)
+
+
+def _as_words(x: torch.Tensor, shape: tuple[int, ...], words: bool) -> torch.Tensor:
+    """Contiguous uint8 ``x`` as ``shape`` int32 words (4 scale columns of a
+    row are one word), or as ``shape + (4,)`` bytes when not 4-aligned."""
+    if words:
+        return x.view(torch.int32).view(shape)
+    return x.view(*shape, 4)
+
+
+def _word_aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 4 == 0 for t in tensors)
+
+
+def _swizzle_words(
+    lin: torch.Tensor, swz: torch.Tensor, k: int, cp: int, words: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lin`` (k*128 rows of Cp bytes, linear) and ``swz`` (k swizzled
+    groups) as matching views: ``swz.copy_(perm)`` swizzles, and
+    ``perm.copy_(swz)`` unswizzles, where ``perm`` is the permuted ``lin``."""
+    perm = _as_words(lin, (k, 4, 32, cp // 4), words).permute(
+        (0, 3, 2, 1) if words else (0, 3, 2, 1, 4)
+    )
+    return perm, _as_words(swz, (k, cp // 4, 32, 4), words)
 
 
 def swizzle_blockscale_bounded(
@@ -579,36 +719,40 @@ def swizzle_blockscale_bounded(
         if in_place:
             _run_chunks(0, lambda idx: None, progress)
         return scale.new_zeros((e, rp, cp)) if padded and not in_place else scale
-    groups = rp // 128  # per expert
     per = max(1, min(cap, _tile_bytes(scale.device)) // group_bytes)
-    per = min(per, groups)
-    chunks = _swizzle_group_chunks(e, groups, per)
+    plan = _GroupPlan(e, r, c, per)
+    per = max(k * n for _, k, _, n in plan.chunks)  # groups in the largest chunk
+    chunks = plan.chunks
     with torch.no_grad():
         if in_place:
             flat = _storage_view(scale, e * rp * cp)
-            src = flat[: e * r * c].view(e, r, c)
-            dst = flat.view(e, groups, group_bytes)
-            chunks.reverse()  # last to first
+            src = plan.linear(flat)
+            dst = flat.view(-1, group_bytes)  # [E * Rp / 128, 128 * Cp]
+            chunks = chunks[::-1]  # last to first
         else:
-            src = scale.view(torch.uint8)
-            dst = torch.empty((e, groups, group_bytes), dtype=torch.uint8,
+            src = plan.linear(scale.view(torch.uint8).reshape(-1))
+            dst = torch.empty((e * rp // 128, group_bytes), dtype=torch.uint8,
                               device=scale.device)  # fmt: skip
             progress = None
         buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
+        words = _word_aligned(dst, buf)
 
         def move(idx: int) -> None:
-            i, start = chunks[idx]
-            k = min(per, groups - start)
-            rows = min(r, (start + k) * 128) - start * 128
-            pad = buf[: k * group_bytes].view(k * 128, cp)
+            chunk = chunks[idx]
+            i, k, g0, n = chunk
+            lo, hi = plan.rows(chunk)
+            groups = k * n
+            pad = buf[: groups * group_bytes]
             if padded:
                 pad.zero_()
             # Read the whole chunk before writing any of its destination.
-            pad[:rows, :c].copy_(src[i, start * 128 : start * 128 + rows])
-            swz = pad.view(k, 4, 32, cp // 4, 4).permute(0, 3, 2, 1, 4)
-            dst[i, start : start + k].view(k, cp // 4, 32, 4, 4).copy_(swz)
+            pad.view(k, n * 128, cp)[:, : hi - lo, :c].copy_(src[i : i + k, lo:hi])
+            first = i * plan.groups + g0
+            perm, out = _swizzle_words(pad, dst[first : first + groups], groups,
+                                       cp, words)  # fmt: skip
+            out.copy_(perm)  # the chunk's only write
 
-        _run_chunks(len(chunks), move, progress)
+        _run_chunks(len(chunks), move, progress, scale.device)
         if in_place and not padded:
             return scale
         return dst.view(e, rp, cp).view(torch.float8_e4m3fn)
@@ -653,29 +797,32 @@ def unswizzle_blockscale_bounded_(
     if swizzled.numel() == 0:
         _run_chunks(0, lambda idx: None, progress)
         return swizzled[:, :rows, :cols]
-    groups = rp // 128
-    per = min(groups, max(1, min(cap, _tile_bytes(swizzled.device)) // group_bytes))
-    chunks = _swizzle_group_chunks(e, groups, per)
+    per = max(1, min(cap, _tile_bytes(swizzled.device)) // group_bytes)
+    plan = _GroupPlan(e, rows, cols, per)
+    per = max(k * n for _, k, _, n in plan.chunks)
     with torch.no_grad():
         flat = _storage_view(swizzled, e * rp * cp)
-        src = flat.view(e, groups, group_bytes)
-        dst = flat[: e * rows * cols].view(e, rows, cols)
+        src = flat.view(-1, group_bytes)
+        dst = plan.linear(flat)
         buf = torch.empty(per * group_bytes, dtype=torch.uint8,
                           device=swizzled.device)  # fmt: skip
+        words = _word_aligned(src, buf)
 
         def move(idx: int) -> None:
-            i, start = chunks[idx]
-            k = min(per, groups - start)
-            n = min(rows, (start + k) * 128) - start * 128
-            lin = buf[: k * group_bytes].view(k, 4, 32, cp // 4, 4)
+            chunk = plan.chunks[idx]
+            i, k, g0, n = chunk
+            lo, hi = plan.rows(chunk)
+            groups = k * n
+            lin = buf[: groups * group_bytes]
+            first = i * plan.groups + g0
+            perm, swz = _swizzle_words(lin, src[first : first + groups], groups,
+                                       cp, words)  # fmt: skip
             # Read the whole chunk before writing any of its destination.
-            lin.permute(0, 3, 2, 1, 4).copy_(
-                src[i, start : start + k].view(k, cp // 4, 32, 4, 4)
-            )
-            block = lin.view(k * 128, cp)[:n, :cols]
-            dst[i, start * 128 : start * 128 + n].copy_(block)
+            perm.copy_(swz)
+            block = lin.view(k, n * 128, cp)[:, : hi - lo, :cols]
+            dst[i : i + k, lo:hi].copy_(block)  # the chunk's only write
 
-        _run_chunks(len(chunks), move, progress)
+        _run_chunks(len(plan.chunks), move, progress, swizzled.device)
     if (rp, cp) == (rows, cols):
         return swizzled
-    return dst.view(torch.float8_e4m3fn)
+    return flat[: e * rows * cols].view(e, rows, cols).view(torch.float8_e4m3fn)
