@@ -10,6 +10,9 @@ device, time (median of --repeats):
   split+cat     the pre-change reorder (returns a full new copy)
   clone-64MiB   the first in-place fix: clone a 64 MiB chunk, copy twice
   inplace       this implementation, default cap and a few smaller caps
+  xor-swap      a zero-transient alternative measured for the record: the
+                halves swapped by a ^= b, b ^= a, a ^= b on 8-byte words,
+                2 MiB at a time (not used: see the design page)
 
 Every variant's result is checked byte for byte against split+cat before it is
 timed. Peak transient memory is measured in a separate, untimed call.
@@ -26,12 +29,14 @@ import time
 
 import torch
 
+from vllm.benchmarks.busy_cores import busy_cores
 from vllm.benchmarks.legacy_moe_prep import clone_chunk_reorder, split_cat_reorder
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS
 from vllm.benchmarks.moe_synthetic_weights import synthetic_w13
 from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as fp4_moe
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
     reorder_w1w3_to_w3w1,
 )
 from vllm.utils.mem_utils import measure_peak_memory
@@ -55,6 +60,29 @@ def _median_time(fn, device, repeats: int, warmup: int = 1) -> float:
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def xor_swap_reorder(
+    weight: torch.Tensor, scale: torch.Tensor, chunk_bytes: int = 2 << 20
+) -> None:
+    """[w1; w3] -> [w3; w1] along dim -2 with no buffer at all: three XOR
+    passes per chunk on int64 words (each tensor's halves must be whole
+    words). A chunk interrupted between its passes holds neither layout.
+    Runs on the bounded steps' thread setting, like ``reorder_w1w3_to_w3w1``."""
+    with moe_prep_threads(weight.device):
+        _xor_swap(weight, scale, chunk_bytes)
+
+
+def _xor_swap(weight, scale, chunk_bytes):
+    for t in (weight, scale):
+        e = t.shape[0]
+        halves = t.reshape(e, 2, -1).view(torch.uint8).view(torch.int64)
+        per = max(1, chunk_bytes // (halves.shape[2] * 8))
+        for s in range(0, e, per):
+            a, b = halves[s : s + per, 0], halves[s : s + per, 1]
+            a.bitwise_xor_(b)
+            b.bitwise_xor_(a)
+            a.bitwise_xor_(b)
 
 
 def _peak(fn, device) -> int:
@@ -85,6 +113,7 @@ def bench_model(name: str, device: torch.device, repeats: int, caps: list[int]):
         "memcpy": lambda: (dst_w.copy_(weight), dst_s.copy_(scale)),
         "split+cat": lambda: split_cat_reorder(weight, scale),
         "clone-64MiB": lambda: clone_chunk_reorder(weight, scale),
+        "xor-swap": lambda: xor_swap_reorder(weight, scale),  # same threads:
     }
     for cap in caps:
         label = "inplace" + ("" if cap == DEFAULT_MAX_TRANSIENT_BYTES else
@@ -179,24 +208,30 @@ def main():
         help="also time the in-place swap with these bounce-buffer sizes (KiB), "
         "overriding the per-device tile: how the default tile was chosen",
     )  # fmt: skip
+    parser.add_argument(
+        "--busy-cores", type=int, default=0,
+        help="processes keeping a core busy copying memory during the run",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     devices = args.devices or (
         ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     )
     caps = [DEFAULT_MAX_TRANSIENT_BYTES] + [k * 1024 for k in args.caps_kib]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+          f"{args.busy_cores} busy core(s)")  # fmt: skip
     results = []
-    for dev in devices:
-        for name in args.models:
-            result = bench_model(name, torch.device(dev), args.repeats, caps)
-            print_table(result)
-            results.append(result)
     sweeps = []
-    for dev in devices if args.tile_sweep_kib else []:
-        for name in args.models:
-            sweeps.append(tile_sweep(name, torch.device(dev), args.repeats,
-                                     args.tile_sweep_kib))  # fmt: skip
+    with busy_cores(args.busy_cores):
+        for dev in devices:
+            for name in args.models:
+                result = bench_model(name, torch.device(dev), args.repeats, caps)
+                print_table(result)
+                results.append(result)
+        for dev in devices if args.tile_sweep_kib else []:
+            for name in args.models:
+                sweeps.append(tile_sweep(name, torch.device(dev), args.repeats,
+                                         args.tile_sweep_kib))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "results": results,

@@ -76,6 +76,7 @@ BAD_ARGUMENTS = {
     "cap 63KiB": (["--max-transient", "63KiB"], "below 64KiB"),
     "tp 0": (["--tp", "0"], "--tp: must be at least 1, got 0"),
     "num layers 0": (["--num-layers", "0"], "--num-layers: must be at least 1"),
+    "busy cores -1": (["--busy-cores", "-1"], "--busy-cores: must be at least 0"),
     "json in a missing directory": (["--json", "/nonexistent-dir/r.json"],
                                     "directory /nonexistent-dir does not exist"),
     "plot is a directory": (["--plot", "/"], "--plot /: is a directory"),
@@ -114,3 +115,34 @@ def test_memory_limit_exceeded_exits_non_zero(capsys):
     # exceeding it is the baseline being shown, not a failure).
     assert main([*args, "--memory-limit", "16MiB"]) == 0
     assert "legacy EXCEEDS, bounded fits" in capsys.readouterr().out
+
+
+def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    main(["bench", "moe-weight-prep", "--model", "mixtral-8x7b", "--num-layers", "3",
+          "--tp", "8", "--no-progress", "--json", str(out_json)])  # fmt: skip
+    result = json.loads(out_json.read_text())
+    layers = result["layers"]
+    assert len(layers) == 3
+    for variant in ("legacy", "bounded"):
+        for i, layer in enumerate(layers):
+            steps = {r["step"]: r for r in layer[variant]}
+            assert all(r["time_s"] is not None for r in steps.values())
+            # The preparation's allocations depend on shapes only: the first
+            # layer of a shape is metered, the others are not paid for twice.
+            metered = [r["peak_bytes"] is not None for r in steps.values()]
+            assert all(metered) if i == 0 else not any(metered)
+    text = capsys.readouterr().out
+    assert "x faster)" in text or "x slower)" in text
+
+
+def test_busy_cores_start_and_stop(capsys):
+    import multiprocessing
+
+    from vllm.benchmarks.busy_cores import busy_cores
+
+    with busy_cores(1):
+        children = multiprocessing.active_children()
+        assert len(children) == 1 and children[0].is_alive()
+    assert not children[0].is_alive()
+    assert multiprocessing.active_children() == []

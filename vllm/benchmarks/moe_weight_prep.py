@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from vllm.benchmarks.busy_cores import busy_cores
 from vllm.benchmarks.legacy_moe_prep import (
     legacy_preparation_steps,
     split_cat_halves,
@@ -57,6 +58,7 @@ from vllm.benchmarks.moe_weight_prep_report import (
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
@@ -180,8 +182,10 @@ def _legacy_run(tensors, gated, device, metered):
 def _bounded_run(preset, tp_size, tensors, device, cap, metered, mode="alpha"):
     layer = _make_layer(preset, tp_size, device, tensors, cap, mode)
     steps = layer.quant_method.preparation_steps(layer)
-    records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()), device,
-                         metered)  # fmt: skip
+    # One thread setting around all steps, as process_weights_after_loading.
+    with moe_prep_threads(device):
+        records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()),
+                             device, metered)  # fmt: skip
     return records, layer
 
 
@@ -276,14 +280,28 @@ def run_benchmark(
     precision: dict[str, dict] = {}
     resident = None
     shapes = None
+    synthetic = None  # a preset's layers share one shape: one set, reused
+    metered_shapes: set[tuple] = set()
+    # The meter's first start imports the profiler's dependencies (seconds
+    # on CPU); pay for it here, not in a layer's measurement.
+    with measure_peak_memory(device):
+        pass
     for idx in tqdm(range(layers), desc=preset.name, unit="layer",
                     disable=not progress):  # fmt: skip
         if layer_tensors is None:
-            tensors = synthetic_layer_tensors(preset, tp_size, device, seed + idx)
+            if synthetic is None:
+                synthetic = synthetic_layer_tensors(preset, tp_size, device, seed)
+            tensors = synthetic
         else:
             tensors = layer_tensors(idx)
         resident = _resident_bytes(tensors.values())
         shapes = {k: list(v.shape) for k, v in tensors.items()}
+        # Allocations depend on shapes and the cap only: each distinct shape
+        # is metered once. Each distinct layer (every checkpoint layer, the
+        # first synthetic one) is checked byte for byte.
+        shape_key = tuple((k, tuple(v)) for k, v in shapes.items())
+        meter = shape_key not in metered_shapes
+        check = layer_tensors is not None or idx == 0
         row: dict[str, list[StepRecord]] = {}
         with _memory_limit(device, memory_limit):
             # Timed runs, then the accuracy check, then metered runs.
@@ -294,7 +312,7 @@ def run_benchmark(
                 global_scale_mode,
             )  # fmt: skip
             ok = not any(r.error for r in legacy_timed + bounded_timed)
-            if ok:
+            if ok and check:
                 _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
             del legacy_out
             if ok and idx == 0:
@@ -316,10 +334,13 @@ def run_benchmark(
                 )
                 del other_layer
                 precision = {m: precision[m] for m in ("alpha", "fold")}
-            legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
-            bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
-                                          max_transient_bytes, True,
-                                          global_scale_mode)  # fmt: skip
+            legacy_mem = bounded_mem = []
+            if meter:
+                metered_shapes.add(shape_key)
+                legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
+                bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
+                                              max_transient_bytes, True,
+                                              global_scale_mode)  # fmt: skip
         row["legacy"] = _merge(legacy_timed, legacy_mem)
         row["bounded"] = _merge(bounded_timed, bounded_mem)
         if idx == 0:
@@ -482,6 +503,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -533,6 +565,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="free memory allowed above the resident weights: enforced on CUDA, "
         "checked against the meter on CPU",
+    )
+    parser.add_argument(
+        "--busy-cores",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="keep N cores busy with processes copying memory while measuring, "
+        "as other workers preparing their shards would (default 0)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
@@ -642,18 +682,20 @@ def main(args: argparse.Namespace) -> int:
                                                    not args.no_progress)  # fmt: skip
     else:
         preset = get_preset(args.model)
-    result = run_benchmark(
-        preset,
-        device=device,
-        tp_size=args.tp,
-        num_layers=args.num_layers,
-        max_transient_bytes=args.max_transient,
-        memory_limit=args.memory_limit,
-        seed=args.seed,
-        progress=not args.no_progress,
-        layer_tensors=layer_tensors,
-        global_scale_mode=args.global_scale_mode,
-    )
+    with busy_cores(args.busy_cores):
+        result = run_benchmark(
+            preset,
+            device=device,
+            tp_size=args.tp,
+            num_layers=args.num_layers,
+            max_transient_bytes=args.max_transient,
+            memory_limit=args.memory_limit,
+            seed=args.seed,
+            progress=not args.no_progress,
+            layer_tensors=layer_tensors,
+            global_scale_mode=args.global_scale_mode,
+        )
+    result["busy_cores"] = args.busy_cores
     print(format_report(result))
     if args.plot:
         write_plot(result, args.plot)

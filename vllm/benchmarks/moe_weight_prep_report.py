@@ -6,6 +6,7 @@ of :func:`vllm.benchmarks.moe_weight_prep.run_benchmark`."""
 from __future__ import annotations
 
 __all__ = [
+    "format_speedup",
     "REPORTED_STEPS",
     "VARIANTS",
     "format_mib",
@@ -17,6 +18,19 @@ MIB = 1 << 20
 #: Steps reported per variant; "total" is the whole preparation.
 REPORTED_STEPS = ("reorder", "swizzle", "fold", "total")
 VARIANTS = ("legacy", "bounded")
+
+
+def format_speedup(baseline_s: float | None, new_s: float | None) -> str:
+    """``new`` against ``baseline`` as a reader says it: "2.9x faster",
+    "2.1x slower", "as fast" (within 5%); "" when either is missing."""
+    if not baseline_s or not new_s:
+        return ""
+    ratio = baseline_s / new_s
+    if abs(ratio - 1) < 0.05:
+        return "as fast"
+    if ratio > 1:
+        return f"{ratio:.1f}x faster"
+    return f"{1 / ratio:.1f}x slower"
 
 
 def format_mib(n: float | None) -> str:
@@ -34,7 +48,8 @@ def format_report(result: dict) -> str:
         f"model {result['model']} ({result['hf_id']}, {result['source']} weights), "
         f"device {result['device']}, "
         f"TP {result['tp_size']}, {result['num_layers']} MoE layers, "
-        f"activation {result['activation']}",
+        f"activation {result['activation']}"
+        + (f", {n} busy core(s)" if (n := result.get("busy_cores")) else ""),
         f"per layer: w13 {result['shapes']['w13_weight']} + w2 "
         f"{result['shapes']['w2_weight']} with scales, resident "
         f"{format_mib(result['resident_bytes_per_layer'])}; bounded cap "
@@ -58,7 +73,7 @@ def format_report(result: dict) -> str:
         "",
         f"totals: {result['num_layers']} layers, {format_mib(total_bytes)} of expert "
         f"weights prepared; time legacy {_secs(lt)}, bounded {_secs(bt)}"
-        + (f" ({lt / bt:.1f}x faster)" if lt and bt else ""),
+        + (f" (bounded {format_speedup(lt, bt)})" if lt and bt else ""),
         "free memory needed above the resident weights: legacy "
         f"{format_mib(s['legacy']['total']['max_transient_bytes'])}, bounded "
         f"{format_mib(s['bounded']['total']['max_transient_bytes'])}",

@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Each step of the NVFP4 MoE weight preparation against its memcpy floor and
+the legacy code, on a quiet machine and with busy cores, in one run.
+
+For one MoE layer of a model preset (synthetic weights of its exact shapes,
+loaded as [w1; w3], so the reorder runs), per step:
+
+  memcpy   dst.copy_(src) of the bytes the step moves, into a preallocated
+           buffer (one read and one write per byte): the step's floor
+  alpha    the bounded step in the default global_scale_mode="alpha"
+  fold     the bounded step in global_scale_mode="fold" (the lookup-table
+           fold runs)
+  legacy   the pre-change step (whole-tensor copies; it always folds)
+
+Medians of --repeats, each on a fresh layer. First on the machine as it is,
+then with --busy-cores processes each copying memory on one core (another
+worker preparing its shard), started for that measurement and stopped after
+it. Before anything is timed, each bounded mode's result is checked byte for
+byte against the legacy preparation (weights; folded scales) and the
+reference swizzle (alpha scales).
+
+    python benchmarks/kernels/benchmark_moe_weight_prep_steps.py \\
+        --model qwen3.6-35b-a3b --busy-cores 1 --json steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from vllm.benchmarks.busy_cores import busy_cores
+from vllm.benchmarks.legacy_moe_prep import legacy_preparation_steps
+from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
+from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
+from vllm.benchmarks.moe_weight_prep import _check_equal, _make_layer
+from vllm.benchmarks.moe_weight_prep_report import format_speedup
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
+)
+
+MIB = 1 << 20
+STEPS = ["validate", "fold", "reorder", "swizzle", "total"]
+MODES = ["alpha", "fold"]
+
+
+def _step_bytes(tensors: dict, gated: bool) -> dict[str, dict[str, int]]:
+    """Bytes each step moves, per mode (a step that does nothing moves 0)."""
+    scales = tensors["w13_weight_scale"].numel() + tensors["w2_weight_scale"].numel()
+    reorder = tensors["w13_weight"].numel() + tensors["w13_weight_scale"].numel()
+    s2 = tensors["w13_weight_scale_2"]
+    differ = bool((s2 != s2[:, :1]).any())  # only then does "alpha" fold w13
+    alpha_fold = tensors["w13_weight_scale"].numel() if differ else 0
+    out = {}
+    for mode, fold in (("alpha", alpha_fold), ("fold", scales), ("legacy", scales)):
+        b = {"validate": 0 if mode == "legacy" else scales, "fold": fold,
+             "reorder": reorder if gated else 0, "swizzle": scales}  # fmt: skip
+        b["total"] = sum(b.values())
+        out[mode] = b
+    return out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
+    times: dict[str, list[float]] = {s: [] for s in STEPS}
+    device = torch.device("cpu")
+    for _ in range(repeats):
+        layer = _make_layer(preset, 1, device, tensors, DEFAULT_MAX_TRANSIENT_BYTES,
+                            mode)  # fmt: skip
+        steps = layer.quant_method.preparation_steps(layer)
+        # As process_weights_after_loading runs them: one thread setting.
+        with moe_prep_threads(device):
+            total = 0.0
+            for name, fn in steps:
+                start = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - start
+                total += dt
+                if name in times:
+                    times[name].append(dt)
+        times["total"].append(total)
+        del layer
+    return {s: _median(v) for s, v in times.items() if v}
+
+
+def _time_legacy(preset, tensors, repeats) -> dict[str, float]:
+    times: dict[str, list[float]] = {s: [] for s in STEPS}
+    for _ in range(repeats):
+        owned = {k: v.clone() for k, v in tensors.items()}
+        total = 0.0
+        for name, fn in legacy_preparation_steps(owned, preset.is_gated):
+            start = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - start
+            total += dt
+            times[name].append(dt)
+        times["total"].append(total)
+        del owned
+    return {s: _median(v) for s, v in times.items() if v}
+
+
+def _time_memcpy(byte_counts: set[int], repeats: int) -> dict[int, float]:
+    largest = max(byte_counts)
+    src = torch.ones(largest, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    out = {0: 0.0}
+    for n in sorted(byte_counts - {0}):
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            dst[:n].copy_(src[:n])
+            times.append(time.perf_counter() - start)
+        out[n] = _median(times[1:])
+    return out
+
+
+def _check(preset, tensors) -> None:
+    owned = {k: v.clone() for k, v in tensors.items()}
+    for _, fn in legacy_preparation_steps(owned, preset.is_gated):
+        fn()
+    for mode in MODES:
+        layer = _make_layer(preset, 1, torch.device("cpu"), tensors,
+                            DEFAULT_MAX_TRANSIENT_BYTES, mode)  # fmt: skip
+        layer.quant_method.process_weights_after_loading(layer)
+        _check_equal(layer, owned, tensors, 0, mode)
+
+
+def measure(preset, tensors, repeats: int, floors: dict[int, float]) -> dict:
+    nbytes = _step_bytes(tensors, preset.is_gated)
+    rows = {mode: _time_bounded(preset, tensors, mode, repeats) for mode in MODES}
+    rows["legacy"] = _time_legacy(preset, tensors, repeats)
+    return {
+        variant: {
+            step: {
+                "time_s": times.get(step),
+                "bytes": nbytes[variant][step],
+                "memcpy_s": floors[nbytes[variant][step]],
+            }
+            for step in STEPS
+        }
+        for variant, times in rows.items()
+    }
+
+
+def _cell(rec: dict) -> str:
+    t, floor = rec["time_s"], rec["memcpy_s"]
+    if t is None:
+        return f"{'-':>9}{'':>7}"
+    ratio = f"{t / floor:5.1f}x" if floor else "     -"
+    return f"{t * 1e3:7.1f}ms{ratio:>7}"
+
+
+def format_condition(label: str, result: dict) -> str:
+    variants = ["alpha", "fold", "legacy"]
+    lines = [
+        label,
+        f"{'step':<10}{'MiB':>7}{'memcpy':>10}"
+        + "".join(f"{v:>16}" for v in variants)
+        + "   (time, x the memcpy of its bytes)",
+    ]
+    for step in STEPS:
+        f = result["fold"][step]  # the mode that moves the most
+        lines.append(
+            f"{step:<10}{f['bytes'] / MIB:>7.0f}{f['memcpy_s'] * 1e3:>8.1f}ms"
+            + "".join(f"{_cell(result[v][step]):>16}" for v in variants)
+        )
+    lines.append(
+        "(memcpy: quiet, of the bytes the fold mode moves; in alpha mode the fold "
+        "moves nothing when w1 and w3 share a global scale)"
+    )
+    lt = result["legacy"]["total"]["time_s"]
+    for mode in MODES:
+        bt = result[mode]["total"]["time_s"]
+        lines.append(f"whole layer, bounded {mode} vs legacy: {format_speedup(lt, bt)}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3.6-35b-a3b",
+                        choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--busy-cores", type=int, default=1,
+        help="processes that keep a core busy copying memory during the second "
+        "measurement (0: quiet only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="torch intra-op threads for the whole run (default: torch's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prep-threads", type=int, default=None,
+        help="threads of the bounded steps on CPU, i.e. VLLM_MOE_PREP_CPU_THREADS "
+        "(default: its value, 1 when unset; 0: the run's torch setting)",
+    )  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.prep_threads is not None:
+        os.environ["VLLM_MOE_PREP_CPU_THREADS"] = str(args.prep_threads)
+    preset = get_preset(args.model)
+    tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), args.seed)
+    _check(preset, tensors)
+    prep_threads = os.environ.get("VLLM_MOE_PREP_CPU_THREADS", "1 (default)")
+    header = (
+        f"{preset.name}, one MoE layer on CPU ({os.cpu_count()} cores), torch "
+        f"{torch.__version__} with {torch.get_num_threads()} intra-op threads, "
+        f"bounded steps on VLLM_MOE_PREP_CPU_THREADS={prep_threads}; medians of "
+        f"{args.repeats}; results checked byte for byte against legacy first"
+    )
+    print(header)
+    # The floors are measured once, quiet: the bandwidth the machine offers.
+    nbytes = _step_bytes(tensors, preset.is_gated)
+    floors = _time_memcpy({b for per in nbytes.values() for b in per.values()},
+                          args.repeats)  # fmt: skip
+    conditions = {}
+    for busy in sorted({0, args.busy_cores}):
+        with busy_cores(busy):
+            conditions[busy] = measure(preset, tensors, args.repeats, floors)
+        label = "quiet" if busy == 0 else f"{busy} busy core(s)"
+        print("\n" + format_condition(label, conditions[busy]))
+    if args.busy_cores:
+        for variant in ["alpha", "fold", "legacy"]:
+            quiet = conditions[0][variant]["total"]["time_s"]
+            busy = conditions[args.busy_cores][variant]["total"]["time_s"]
+            print(f"{variant:>6}: busy / quiet = {busy / quiet:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": header, "busy_cores": args.busy_cores,
+                       "conditions": {str(k): v for k, v in conditions.items()}},
+                      f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
