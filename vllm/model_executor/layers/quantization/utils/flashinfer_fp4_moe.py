@@ -178,7 +178,7 @@ def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
     another process holds a core, that wait (a scheduler time slice) dwarfs
     the work: at the Qwen3.6-35B-A3B layer shape, with a torch process
     copying on the other core, the reorder took 525 ms on two threads and
-    23 ms on one; on a quiet machine one thread costs about 1.3x (see the
+    23 ms on one; on a quiet machine one thread costs about 1.4x (see the
     design page, "Threads"). The previous setting is restored on exit;
     nested uses change nothing. The setting is process-wide while it lasts.
     """
