@@ -61,12 +61,13 @@ def _checkpoint_weight(tensors: dict, prefix: str, e: int) -> torch.Tensor:
 def _prepared_weight(layer, prefix: str, e: int) -> torch.Tensor:
     """Expert ``e``'s [rows, K] float32 weight as the kernel reads it."""
     moe = layer.moe_config
-    qc = layer.quant_method.experts.quant_config
+    experts = layer.quant_method.experts
+    qc = experts.quant_config
     if prefix == "w13":
-        packed, mma, alpha = layer.w13_weight, qc.w1_scale, qc.g1_alphas
+        packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, qc.g1_alphas
         m, k = moe.w13_rows, moe.hidden_dim
     else:
-        packed, mma, alpha = layer.w2_weight, qc.w2_scale, qc.g2_alphas
+        packed, mma, alpha = layer.w2_weight, experts.w2_sf_mma, qc.g2_alphas
         m, k = moe.hidden_dim, moe.intermediate_size_per_partition
     scales = mma_layout_to_linear(mma[..., e : e + 1].cpu(), m, k)[0]
     return dequantize_nvfp4(packed[e].cpu(), scales, 1.0) * alpha[e].cpu()

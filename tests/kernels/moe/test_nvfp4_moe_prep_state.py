@@ -86,8 +86,9 @@ def _snapshot(layer) -> dict[str, torch.Tensor]:
     for key in ("g1_alphas", "g2_alphas"):
         snap[key] = getattr(qc, key).clone()
     snap["fc2"] = experts._fc2_input_scale.clone()
-    for key in ("w1_scale", "w2_scale"):
-        snap[key] = bytes_of(getattr(qc, key).permute(5, 2, 4, 0, 1, 3).contiguous())
+    for key in ("w1_sf_mma", "w2_sf_mma"):
+        view = getattr(experts, key)
+        snap[key] = bytes_of(view.permute(5, 2, 4, 0, 1, 3).contiguous())
     return snap
 
 

@@ -137,10 +137,14 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
     for name in ("w13_weight_scale", "w2_weight_scale"):
         new, old = getattr(layer, name), storages[name]
         assert new.untyped_storage().data_ptr() == old
-    # The kernel's views read the same bytes.
-    qc = layer.quant_method.experts.quant_config
-    assert qc.w1_scale.data_ptr() == layer.w13_weight_scale.data_ptr()
-    assert qc.w2_scale.data_ptr() == layer.w2_weight_scale.data_ptr()
+    # The quant config holds the swizzled scales themselves (as upstream);
+    # the kernel's MMA-layout views, on the experts, read the same bytes.
+    experts = layer.quant_method.experts
+    qc = experts.quant_config
+    assert qc.w1_scale is layer.w13_weight_scale
+    assert qc.w2_scale is layer.w2_weight_scale
+    assert experts.w1_sf_mma.data_ptr() == layer.w13_weight_scale.data_ptr()
+    assert experts.w2_sf_mma.data_ptr() == layer.w2_weight_scale.data_ptr()
     # The kernel's alphas: the (chosen) global scales, or 1 after a fold.
     assert torch.equal(qc.g1_alphas.cpu(), want["w13_weight_scale_2"][:, 0])
     assert torch.equal(qc.g2_alphas.cpu(), want["w2_weight_scale_2"])

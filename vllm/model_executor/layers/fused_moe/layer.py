@@ -129,7 +129,18 @@ class FusedMoE(torch.nn.Module):
         #: w13 rows hold [w3; w1] (set at load, or by the reorder).
         self.w13_loaded_as_w3w1 = bool(place_w3w1_at_load) and self.activation.is_gated
         self.quant_method = quant_config.get_quant_method(self, prefix)
-        self.quant_method.create_weights(self, device)
+        # Upstream also passes weight_loader=self.weight_loader, set on each
+        # parameter; not here: a bound method on a parameter of the same layer
+        # is a reference cycle, and a dropped layer's weights would then wait
+        # for the garbage collector. Loaders call layer.weight_loader.
+        with torch.device(device):
+            self.quant_method.create_weights(
+                layer=self,
+                num_experts=self.local_num_experts,
+                hidden_size=hidden_size,
+                intermediate_size_per_partition=intermediate_size // tp_size,
+                params_dtype=params_dtype,
+            )
 
     @property
     def activation(self) -> MoEActivation:

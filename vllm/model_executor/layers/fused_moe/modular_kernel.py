@@ -97,8 +97,8 @@ class FusedMoEExperts(ABC):
     #: scale parameters are then created with room for the padded result.
     swizzles_block_scales: bool = False
 
-    def __init__(self, moe: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
-        self.moe = moe
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
+        self.moe_config = moe_config
         self.quant_config = quant_config
 
     # -- capability predicates ------------------------------------------------

@@ -93,14 +93,42 @@ class ModelOptNvFp4FusedMoE:
         # One experts object for the layer's lifetime: it holds the kernel's
         # views of the prepared weights, which a re-preparation updates.
         self.experts = self.experts_cls(
-            moe, FusedMoEQuantConfig(quant_dtype="nvfp4"), **experts_kwargs
+            moe_config=moe,
+            quant_config=FusedMoEQuantConfig(quant_dtype="nvfp4"),
+            **experts_kwargs,
         )
         self.kernel: FusedMoEKernel | None = None
 
-    def create_weights(self, layer: torch.nn.Module, device: torch.device) -> None:
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        """Register the NVFP4 parameters (table above) on ``layer``, on the
+        current default device (``with torch.device(...)``, as vLLM's model
+        loader sets it). The sizes are this rank's: ``num_experts`` local
+        experts, I already divided by the tensor-parallel size; they must be
+        the ones the layer's ``FusedMoEConfig`` was built with.
+        ``params_dtype`` is the activation dtype: NVFP4 weights are uint8 and
+        their scales FP8 / float32 whatever it is. Each of
+        ``extra_weight_attrs`` (e.g. ``weight_loader``) is set on every
+        parameter."""
         moe = self.moe
-        e, h = moe.num_experts, moe.hidden_dim
-        i, rows = moe.intermediate_size_per_partition, moe.w13_rows
+        given = (num_experts, hidden_size, intermediate_size_per_partition)
+        inter = moe.intermediate_size_per_partition
+        expected = (moe.num_experts, moe.hidden_dim, inter)
+        if given != expected:
+            raise ValueError(
+                "create_weights got (num_experts, hidden_size, "
+                f"intermediate_size_per_partition) = {given}, but the layer's "
+                f"FusedMoEConfig has {expected}"
+            )
+        e, h = num_experts, hidden_size
+        i, rows = intermediate_size_per_partition, moe.w13_rows
         shards = 2 if moe.is_act_and_mul else 1
         for dim, what in ((h, "hidden_size"), (i, "intermediate_size per partition")):
             if dim % NVFP4_BLOCK_SIZE != 0:
@@ -126,17 +154,18 @@ class ModelOptNvFp4FusedMoE:
             ):
                 # Storage with room for the swizzled, padded scales: the
                 # preparation then swizzles in place whatever the shape.
-                data = blockscale_storage_for_swizzle(*shape, device=device)
+                data = blockscale_storage_for_swizzle(*shape)
                 state.record_storage_room(name, data)
             elif dtype == torch.float32:
                 # Global and input scales default to 1 (a checkpoint may omit
                 # input scales: b12x quantizes activations dynamically).
-                data = torch.ones(shape, dtype=dtype, device=device)
+                data = torch.ones(shape, dtype=dtype)
             else:
-                data = torch.zeros(shape, dtype=dtype, device=device)
-            layer.register_parameter(
-                name, torch.nn.Parameter(data, requires_grad=False)
-            )
+                data = torch.zeros(shape, dtype=dtype)
+            param = torch.nn.Parameter(data, requires_grad=False)
+            for key, value in extra_weight_attrs.items():
+                setattr(param, key, value)
+            layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Prepare the loaded parameters for the selected experts.

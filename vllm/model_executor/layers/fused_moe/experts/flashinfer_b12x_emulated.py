@@ -68,14 +68,15 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
 
     def __init__(
         self,
-        moe: FusedMoEConfig,
+        moe_config: FusedMoEConfig,
         quant_config: FusedMoEQuantConfig,
         *,
         max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
         global_scale_mode: str = "alpha",
         weights_only: bool = False,
     ):
-        super().__init__(moe, quant_config, max_transient_bytes=max_transient_bytes,
+        super().__init__(moe_config, quant_config,
+                         max_transient_bytes=max_transient_bytes,
                          global_scale_mode=global_scale_mode)  # fmt: skip
         self.weights_only = weights_only
 
@@ -106,7 +107,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
     def apply(self, hidden_states, w1, w2, topk_weights, topk_ids):
         self._check_prepared()
         qc = self.quant_config
-        moe = self.moe
+        moe = self.moe_config
         t, h = hidden_states.shape
         inter = moe.intermediate_size_per_partition
         rows = moe.w13_rows
@@ -122,7 +123,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
             if not self.weights_only:
                 gs = a1_gscale if isinstance(a1_gscale, float) else a1_gscale[e]
                 x = _fake_quant(x, gs)
-            w13 = self._decoded_weight(w1, qc.w1_scale, e, rows, h)  # [rows, H]
+            w13 = self._decoded_weight(w1, self.w1_sf_mma, e, rows, h)  # [rows, H]
             fc1 = (x @ w13.t()) * qc.g1_alphas[e]  # [n, rows]
             if moe.activation.is_gated:
                 # b12x layout: rows [0, I) are w3 (up), rows [I, 2I) are w1 (gate).
@@ -134,7 +135,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
                 act = act.to(hidden_states.dtype).float()
             else:
                 act = _fake_quant(act, self._fc2_input_scale[e])
-            w2e = self._decoded_weight(w2, qc.w2_scale, e, h, inter)  # [H, I]
+            w2e = self._decoded_weight(w2, self.w2_sf_mma, e, h, inter)  # [H, I]
             y = (act @ w2e.t()) * qc.g2_alphas[e]  # [n, H]
             out.index_add_(0, tokens, y * flat_weights[sel].unsqueeze(1))
         return out.to(hidden_states.dtype)

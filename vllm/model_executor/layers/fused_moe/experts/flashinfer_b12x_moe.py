@@ -11,7 +11,8 @@ what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
     w13_weight_scale_2 [E, 2]                 -> g1_alphas (w1_alpha)
     w2_weight_scale   [E, H, I/16] linear     -> 128x4 swizzle
     w2_weight_scale_2 [E]                     -> g2_alphas (w2_alpha)
-    (new) quant_config.w1_scale / w2_scale    MMA-layout views (no copy)
+    (new) quant_config.w1_scale / w2_scale    the swizzled scales
+    (new) w1_sf_mma / w2_sf_mma               their MMA-layout views (no copy)
     (new) _fc2_input_scale [E]                1: FC2 input quantized dynamically
 
 0. validate: scales finite and positive (block scales finite), before any
@@ -167,13 +168,13 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
     def __init__(
         self,
-        moe: FusedMoEConfig,
+        moe_config: FusedMoEConfig,
         quant_config: FusedMoEQuantConfig,
         *,
         max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
         global_scale_mode: str = "alpha",
     ):
-        super().__init__(moe, quant_config)
+        super().__init__(moe_config, quant_config)
         if global_scale_mode not in GLOBAL_SCALE_MODES:
             raise ValueError(
                 f"global_scale_mode must be one of {GLOBAL_SCALE_MODES}, got "
@@ -185,7 +186,14 @@ class FlashInferB12xExperts(FusedMoEExperts):
         #: loaded (exact). "fold": upstream's contract, the global scales
         #: folded into the block scales (rounded again in FP8) and alpha 1.
         self.global_scale_mode = global_scale_mode
-        #: FC2 input global scale [E] float32; set by
+        #: MMA-layout views [32, 4, M/128, 4, K/64, E] of the swizzled block
+        #: scales (``quant_config.w1_scale`` / ``w2_scale``), what the kernel
+        #: reads; set by process_weights_after_loading.
+        self.w1_sf_mma: torch.Tensor | None = None
+        self.w2_sf_mma: torch.Tensor | None = None
+        #: FC2 input global scale [E] float32, all 1 (the kernel quantizes the
+        #: FC2 input dynamically): ``quant_config.a2_gscale`` itself when the
+        #: config has one, else a new tensor. Set by
         #: process_weights_after_loading, required by apply.
         self._fc2_input_scale: torch.Tensor | None = None
 
@@ -243,7 +251,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 step()
 
     def _scale_geometry(self, prefix: str) -> tuple[int, int, int]:
-        moe = self.moe
+        moe = self.moe_config
         if prefix == "w13":
             return moe.num_experts, moe.w13_rows, moe.hidden_dim // 16
         inter = moe.intermediate_size_per_partition
@@ -261,7 +269,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         exception) completes the preparation without repeating anything.
         """
         cap = self.max_transient_bytes
-        moe = self.moe
+        moe = self.moe_config
         e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
         inter = moe.intermediate_size_per_partition
         state = get_prep_state(layer)
@@ -342,17 +350,24 @@ class FlashInferB12xExperts(FusedMoEExperts):
         @torch.no_grad()
         def finalize() -> None:
             qc = self.quant_config
-            qc.w1_scale = blockscale_mma_layout_view(layer.w13_weight_scale, rows, h, e)
-            qc.w2_scale = blockscale_mma_layout_view(layer.w2_weight_scale, h, inter, e)
+            # The config holds the swizzled scales; the kernel reads them
+            # through MMA-layout views (no copy).
+            qc.w1_scale = layer.w13_weight_scale
+            qc.w2_scale = layer.w2_weight_scale
+            self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
+            self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
             qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
             qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
-            # The kernel quantizes the FC1 and FC2 inputs dynamically; static
-            # checkpoint input scales are not used by this backend.
-            qc.a1_gscale = None
-            qc.a2_gscale = None
-            self._fc2_input_scale = torch.ones(
-                e, dtype=torch.float32, device=layer.w13_weight.device
-            )
+            # The kernel quantizes the FC2 input dynamically: its global scale
+            # is 1. Upstream hands the kernel the config's FC2 input scale
+            # filled with 1; without one, a new [E] tensor of ones.
+            if qc.a2_gscale is not None:
+                qc.a2_gscale.fill_(1.0)
+                self._fc2_input_scale = qc.a2_gscale
+            else:
+                self._fc2_input_scale = torch.ones(
+                    e, dtype=torch.float32, device=layer.w13_weight.device
+                )
 
         steps = [("validate", validate), ("fold", fold), ("reorder", reorder),
                  ("swizzle", swizzle), ("finalize", finalize)]  # fmt: skip
@@ -430,6 +445,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 state.done.append(step)
         qc = self.quant_config
         qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
+        self.w1_sf_mma = self.w2_sf_mma = None
         self._fc2_input_scale = None
         state.begin(PrepStatus.LOADING)
 
@@ -454,17 +470,17 @@ class FlashInferB12xExperts(FusedMoEExperts):
         return b12x_fused_moe(
             hidden_states,
             w1,
-            qc.w1_scale,
+            self.w1_sf_mma,
             w2,
-            qc.w2_scale,
+            self.w2_sf_mma,
             topk_ids.to(torch.int32),
             topk_weights.float(),
-            self.moe.num_experts,
-            self.moe.experts_per_token,
+            self.moe_config.num_experts,
+            self.moe_config.experts_per_token,
             w1_alpha=qc.g1_alphas,
             w2_alpha=qc.g2_alphas,
             fc2_input_scale=self._fc2_input_scale,
             **extra,
-            activation=self.moe.activation.flashinfer_name,
+            activation=self.moe_config.activation.flashinfer_name,
             quant_mode="nvfp4",
         )
