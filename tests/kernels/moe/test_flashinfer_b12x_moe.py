@@ -163,14 +163,18 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("m,n,k", MNK[:2], ids=lambda v: str(v))
-def test_flashinfer_b12x_moe_relu2(m, n, k, backend):
-    # Non-gated experts: w1 is [e, n, k], nothing to reorder.
-    e, topk = 8, 2
+@pytest.mark.parametrize("topk", TOP_KS)
+@pytest.mark.parametrize("e", NUM_EXPERTS)
+@pytest.mark.parametrize("m,n,k", MNK, ids=lambda v: str(v))
+def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, backend):
+    # Non-gated experts: w1 is [e, n, k], nothing to reorder. The same 24
+    # cases as the gated test (and as upstream).
     device = "cuda" if backend == "flashinfer_b12x" else "cpu"
-    w1, w2 = bf16_experts(e, n, k, gated=False, seed=11)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).bfloat16()
-    logits = torch.randn(m, e, generator=torch.Generator().manual_seed(13))
+    seed = m * 1000 + e * 10 + topk
+    w1, w2 = bf16_experts(e, n, k, gated=False, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    logits = torch.randn(m, e, generator=gen)
     tensors = quantize_experts_modelopt(w1, w2, gated=False)
     layer = _prepared_layer(tensors, e, topk, k, n, False, backend)
     assert layer.activation is MoEActivation.RELU2_NO_MUL
@@ -179,16 +183,81 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, backend):
     ref = fused_moe(
         x, w1, w2, logits, topk, True, activation=MoEActivation.RELU2_NO_MUL
     )
-    assert rel_rms_error(out, ref) < W4A4_TOL
+    err = rel_rms_error(out, ref)
+    assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
     # Control: had the preparation swapped the halves of the I rows (a reorder
     # applied to non-gated experts), FC1's channels would no longer match w2's.
     wrong = fused_moe(x, _swap_gate_up(w1), w2, logits, topk, True, "relu2")
-    assert rel_rms_error(out, wrong) > W4A4_CONTROL_MARGIN * W4A4_TOL
+    control = rel_rms_error(out, wrong)
+    assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"halves swapped: {control:.3f}"
     if backend == "flashinfer_b12x_emulated":
         wo = _prepared_layer(tensors, e, topk, k, n, False, backend, weights_only=True)
+        out_wo = wo(x, logits)
         dw1, dw2 = dequantized_experts(tensors, gated=False)
         ref_q = fused_moe(x, dw1, dw2, logits, topk, True, "relu2")
-        assert rel_rms_error(wo(x, logits), ref_q) < WEIGHTS_ONLY_TOL
+        err = rel_rms_error(out_wo, ref_q)
+        assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
+        ref_q_wrong = fused_moe(x, _swap_gate_up(dw1), dw2, logits, topk, True,
+                                "relu2")  # fmt: skip
+        control = rel_rms_error(out_wo, ref_q_wrong)
+        assert control > WEIGHTS_ONLY_CONTROL_MARGIN * WEIGHTS_ONLY_TOL, control
+
+
+def test_experts_take_upstreams_keyword_names():
+    moe = FusedMoEConfig(8, 2, 256, 128, MoEActivation.SILU)
+    qc = FusedMoEQuantConfig()
+    for cls in (FlashInferB12xExperts, FlashInferB12xEmulatedExperts):
+        experts = cls(moe_config=moe, quant_config=qc)
+        assert experts.moe_config is moe and experts.quant_config is qc
+        assert experts.w1_sf_mma is None and experts.w2_sf_mma is None
+
+
+def test_create_weights_takes_upstreams_arguments():
+    layer = make_nvfp4_layer(8, 2, 256, 128, True, "flashinfer_b12x_emulated")
+    method = layer.quant_method
+    target = torch.nn.Module()
+    marker = object()
+    method.create_weights(
+        target,
+        num_experts=8,
+        hidden_size=256,
+        intermediate_size_per_partition=128,
+        params_dtype=torch.bfloat16,
+        weight_loader=marker,
+    )
+    params = dict(target.named_parameters())
+    assert params["w13_weight"].shape == (8, 256, 128)
+    assert params["w2_weight_scale"].shape == (8, 256, 8)
+    assert all(p.weight_loader is marker for p in params.values())
+    # Sizes that disagree with the layer's FusedMoEConfig are refused.
+    with pytest.raises(ValueError, match=r"\(8, 256, 64\).*\(8, 256, 128\)"):
+        method.create_weights(torch.nn.Module(), 8, 256, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("config_has_fc2_scale", [True, False])
+def test_fc2_input_scale_is_the_configs_own_tensor_filled_with_one(
+    config_has_fc2_scale,
+):
+    # As upstream: when the quant config carries an FC2 input global scale,
+    # the kernel gets that very tensor, set to 1 (b12x quantizes the FC2
+    # input dynamically); otherwise a new [E] tensor of ones.
+    e, n, k = 8, 128, 256
+    w1, w2 = bf16_experts(e, n, k, gated=True, seed=3)
+    tensors = quantize_experts_modelopt(w1, w2, gated=True)
+    layer = make_nvfp4_layer(e, 2, k, n, True, "flashinfer_b12x_emulated")
+    experts = layer.quant_method.experts
+    given = torch.full((e,), 3.5) if config_has_fc2_scale else None
+    experts.quant_config.a2_gscale = given
+    load_nvfp4_experts(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    fc2 = experts._fc2_input_scale
+    assert (fc2 is given) == config_has_fc2_scale
+    assert torch.equal(fc2, torch.ones(e))
+    # The quant config keeps the swizzled scales; the kernel's MMA views are
+    # the experts' own.
+    assert experts.quant_config.w1_scale is layer.w13_weight_scale
+    assert experts.w1_sf_mma.data_ptr() == layer.w13_weight_scale.data_ptr()
+    assert experts.w1_sf_mma.dim() == 6
 
 
 def test_apply_refuses_before_fc2_input_scale_is_set():
