@@ -146,3 +146,51 @@ def test_busy_cores_start_and_stop(capsys):
         assert len(children) == 1 and children[0].is_alive()
     assert not children[0].is_alive()
     assert multiprocessing.active_children() == []
+
+
+def test_help_is_plain_text_and_every_option_has_help(capsys):
+    from vllm.entrypoints.cli.main import make_parser
+
+    for argv in (["--help"], ["bench", "--help"], ["bench", "moe-weight-prep", "-h"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 0
+        text = capsys.readouterr().out
+        assert "``" not in text and ":func:" not in text, text
+    bench = make_parser()._subparsers._group_actions[0].choices["bench"]
+    job = bench._subparsers._group_actions[0].choices["moe-weight-prep"]
+    for action in job._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_version(capsys):
+    import vllm
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vllm {vllm.__version__}"
+
+
+WRITER_ERRORS = {
+    "no experts": (["--num-experts", "0"], "--num-experts: must be at least 1"),
+    "hidden 100": (["--hidden-size", "100"], "--hidden-size must be a multiple of 16"),
+    "top-k above experts": (["--num-experts", "4", "--top-k", "8"],
+                            "--top-k 8 is more than --num-experts 4"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(WRITER_ERRORS))
+def test_example_writer_errors_are_one_line(case, tmp_path, capsys):
+    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
+        main as write_example,
+    )
+
+    argv, message = WRITER_ERRORS[case]
+    with pytest.raises(SystemExit) as exit_info:
+        write_example([str(tmp_path / "ckpt"), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    prog = "python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer"
+    assert err[-1].startswith(f"{prog}: error:") and message in err[-1], err
+    assert not (tmp_path / "ckpt").exists()

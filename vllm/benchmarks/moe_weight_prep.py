@@ -66,6 +66,8 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 from vllm.utils.mem_utils import measure_peak_memory
 
 __all__ = [
+    "CLI_DESCRIPTION",
+    "CLI_HELP",
     "REPORTED_STEPS",
     "add_cli_args",
     "main",
@@ -75,6 +77,15 @@ __all__ = [
 ]
 
 MIB = 1 << 20
+
+CLI_HELP = "NVFP4 MoE weight preparation for FlashInfer: legacy vs bounded"
+CLI_DESCRIPTION = (
+    "Prepare every MoE layer of a model (synthetic NVFP4 weights of a preset's "
+    "exact shapes, or a checkpoint directory) for the FlashInfer b12x kernel, "
+    "twice: the legacy way (whole-tensor copies) and the bounded way (this "
+    "branch). Reports each step's peak transient memory and time, checks that "
+    "both give the same bytes, and the precision of the prepared weights."
+)
 
 
 def _make_layer(preset, tp_size, device, tensors, cap, mode="alpha"):
@@ -542,7 +553,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "the kernel's alphas (exact, default); 'fold' multiplies them into the "
         "FP8 block scales (upstream's contract)",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the weights live and are prepared (auto: cuda when available)",
+    )
     parser.add_argument(
         "--tp", type=positive_int, default=1, help="tensor-parallel size (divides I)"
     )
@@ -574,13 +590,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="keep N cores busy with processes copying memory while measuring, "
         "as other workers preparing their shards would (default 0)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic weights (default 0)"
+    )
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
-    parser.add_argument("--plot", metavar="PATH", help="write a PNG of one layer")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write a PNG of the first layer's memory over the steps, and the "
+        "time per step",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (for logs)"
+    )
 
 
-def _checkpoint_source(path: str, tp_size: int, device: torch.device, progress: bool):
+def _checkpoint_source(path: str, tp_size: int, device: torch.device):
     """A preset describing the checkpoint's MoE geometry, and a function that
     loads its i-th MoE layer (tensor-parallel rank 0 of ``tp_size``)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoE
@@ -611,7 +636,8 @@ def _checkpoint_source(path: str, tp_size: int, device: torch.device, progress: 
             moe_backend="flashinfer_b12x_emulated", device=device,
             tp_size=tp_size, place_w3w1_at_load=False,
         )  # fmt: skip
-        ckpt.load_layer(layer, ckpt.moe_layers[i], progress=progress)
+        # No bar per tensor: the job's bar counts layers already.
+        ckpt.load_layer(layer, ckpt.moe_layers[i])
         return {n: p.data for n, p in layer.named_parameters()}
 
     return preset, layer_tensors
@@ -678,8 +704,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--device cuda: no CUDA device is available")
     layer_tensors = None
     if args.checkpoint:
-        preset, layer_tensors = _checkpoint_source(args.checkpoint, args.tp, device,
-                                                   not args.no_progress)  # fmt: skip
+        preset, layer_tensors = _checkpoint_source(args.checkpoint, args.tp, device)
     else:
         preset = get_preset(args.model)
     with busy_cores(args.busy_cores):

@@ -13,6 +13,7 @@ import sys
 # (must be set before torch loads).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
+import vllm  # noqa: E402
 from vllm.entrypoints.cli.benchmark.main import add_bench_subparser  # noqa: E402
 
 __all__ = ["main"]
@@ -23,6 +24,8 @@ def make_parser() -> argparse.ArgumentParser:
         prog="vllm",
         description="vLLM (NVFP4 MoE weight-preparation branch) command line.",
     )
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {vllm.__version__}")  # fmt: skip
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     add_bench_subparser(commands)

@@ -220,19 +220,52 @@ def _example_config(args) -> dict:
     }
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out_dir")
+    parser = argparse.ArgumentParser(
+        prog="python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer",
+        description="Write a small NVFP4 MoE checkpoint with random weights "
+        "(ModelOpt or compressed-tensors layout) for trying the loader and "
+        "`vllm bench moe-weight-prep --checkpoint`. MoE layers only.",
+    )
+    parser.add_argument("out_dir", help="directory to write (created if missing)")
     parser.add_argument("--format", default=MODELOPT,
-                        choices=[MODELOPT, COMPRESSED_TENSORS])  # fmt: skip
-    parser.add_argument("--activation", default="silu", choices=["silu", "relu2"])
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--intermediate-size", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+                        choices=[MODELOPT, COMPRESSED_TENSORS],
+                        help="checkpoint layout (default %(default)s)")  # fmt: skip
+    parser.add_argument("--activation", default="silu", choices=["silu", "relu2"],
+                        help="silu: gated experts (gate_proj/up_proj/down_proj); "
+                        "relu2: non-gated (up_proj/down_proj, Nemotron-style) "
+                        "(default %(default)s)")  # fmt: skip
+    for flag, default, what in (
+        ("--num-layers", 4, "MoE layers"),
+        ("--num-experts", 64, "experts per layer"),
+        ("--top-k", 8, "experts per token (at most --num-experts)"),
+        ("--hidden-size", 1024, "H, a multiple of 16"),
+        ("--intermediate-size", 256, "I per expert, a multiple of 16"),
+    ):
+        parser.add_argument(flag, type=_positive_int, default=default,
+                            help=f"{what} (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--seed", type=int, default=0, help="random seed (default %(default)s)"
+    )
     args = parser.parse_args(argv)
+    for flag, value in (("--hidden-size", args.hidden_size),
+                        ("--intermediate-size", args.intermediate_size)):  # fmt: skip
+        if value % 16:
+            parser.error(f"{flag} must be a multiple of 16 (NVFP4 blocks), got {value}")
+    if args.top_k > args.num_experts:
+        parser.error(
+            f"--top-k {args.top_k} is more than --num-experts {args.num_experts}"
+        )
     gated = args.activation == "silu"
     layers = {
         i: random_bf16_experts(args.num_experts, args.hidden_size,
@@ -241,10 +274,13 @@ def main(argv: list[str] | None = None) -> None:
     }  # fmt: skip
     block = "mlp" if gated else "mixer"
     prefix = "model.layers" if gated else "backbone.layers"
-    out = write_nvfp4_moe_checkpoint(
-        args.out_dir, layers, _example_config(args), fmt=args.format, gated=gated,
-        prefix=prefix, block=block, max_shard_bytes=64 << 20,
-    )  # fmt: skip
+    try:
+        out = write_nvfp4_moe_checkpoint(
+            args.out_dir, layers, _example_config(args), fmt=args.format,
+            gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
+        )  # fmt: skip
+    except (ValueError, OSError) as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
     print(f"wrote an NVFP4 ({args.format}) MoE checkpoint to {out}")
 
 

@@ -10,17 +10,22 @@ from vllm.benchmarks import moe_weight_prep
 
 __all__ = ["BENCHMARKS", "add_bench_subparser"]
 
-# name -> module with add_cli_args(parser) and main(args); add new ones here.
+# name -> module with CLI_HELP (one line), CLI_DESCRIPTION (plain text),
+# add_cli_args(parser) and main(args); add new ones here.
 BENCHMARKS = {
     "moe-weight-prep": moe_weight_prep,
 }
 
 
 def add_bench_subparser(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="run a benchmark")
+    bench = commands.add_parser(
+        "bench", help="run a benchmark", description="Run a benchmark."
+    )
     benches = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     benches.required = True
     for name, module in BENCHMARKS.items():
-        sub = benches.add_parser(name, help=(module.__doc__ or "").splitlines()[0])
+        sub = benches.add_parser(
+            name, help=module.CLI_HELP, description=module.CLI_DESCRIPTION
+        )
         module.add_cli_args(sub)
         sub.set_defaults(dispatch=module.main, command_parser=sub)
