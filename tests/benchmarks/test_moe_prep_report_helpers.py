@@ -26,3 +26,44 @@ def test_blockscale_range_counts_on_hand_made_bytes():
 )  # fmt: skip
 def test_speed_ratios_are_said_as_faster_or_slower(baseline, new, text):
     assert format_speedup(baseline, new) == text
+
+
+def test_plot_has_a_legend_units_and_one_colour_per_step():
+    import matplotlib.colors as mcolors
+
+    from vllm.benchmarks.moe_weight_prep_report import STEP_COLOURS, plot_figure
+
+    def rec(step, seconds, levels, growth=0):
+        timeline = [(i, lvl) for i, lvl in enumerate(levels)]
+        peak = max(levels, default=0)
+        return {"step": step, "time_s": seconds, "timeline": timeline,
+                "growth_bytes": growth, "peak_bytes": peak}  # fmt: skip
+
+    mib = 1 << 20
+    result = {
+        "model": "m", "device": "cpu", "max_transient_bytes": 64 * mib,
+        "first_layer_timelines": {
+            "legacy": [rec("reorder", 0.09, [288 * mib, 0]),
+                       rec("swizzle", 0.08, [64 * mib, 0]),
+                       rec("fold", 0.27, [288 * mib, 0])],
+            "bounded": [rec("validate", 0.003, []), rec("fold", 0.0, []),
+                        rec("reorder", 0.02, [2 * mib, 0]),
+                        rec("swizzle", 0.01, [2 * mib, 0]),
+                        rec("finalize", 0.0, [])],
+        },
+    }  # fmt: skip
+    fig = plot_figure(result)
+    legend = fig.legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    # Every step once, in the table's order, and the cap.
+    assert labels == ["validate", "fold", "reorder", "swizzle", "finalize",
+                      "bounded cap"]  # fmt: skip
+    for ax in fig.axes:
+        assert ax.get_xlabel() == "time (ms)"
+        assert "MiB" in fig.axes[0].get_ylabel()
+    # Each panel draws its steps in order, each in its step's colour.
+    for ax, variant in zip(fig.axes, ("legacy", "bounded"), strict=True):
+        steps = [r["step"] for r in result["first_layer_timelines"][variant]]
+        colours = [line.get_color() for line in ax.get_lines()][: len(steps)]
+        want = [STEP_COLOURS[s] for s in steps]
+        assert [mcolors.to_hex(c) for c in colours] == [mcolors.to_hex(c) for c in want]

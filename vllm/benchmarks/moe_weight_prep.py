@@ -192,7 +192,11 @@ def _legacy_run(tensors, gated, device, metered):
 
 def _bounded_run(preset, tp_size, tensors, device, cap, metered, mode="alpha"):
     layer = _make_layer(preset, tp_size, device, tensors, cap, mode)
-    steps = layer.quant_method.preparation_steps(layer)
+    steps = dict(layer.quant_method.preparation_steps(layer))
+    # Building the kernel object is part of finishing the layer: one step.
+    finalize, kernel = steps.pop("finalize"), steps.pop("kernel")
+    steps["finalize"] = lambda: (finalize(), kernel())
+    steps = list(steps.items())
     # One thread setting around all steps, as process_weights_after_loading.
     with moe_prep_threads(device):
         records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()),
@@ -357,7 +361,7 @@ def run_benchmark(
         if idx == 0:
             timelines = {
                 v: [
-                    {"step": r.step, "timeline": r.timeline,
+                    {"step": r.step, "timeline": r.timeline, "time_s": r.time_s,
                      "growth_bytes": r.growth_bytes, "peak_bytes": r.peak_bytes}
                     for r in row[v]
                 ]

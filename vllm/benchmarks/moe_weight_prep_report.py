@@ -6,7 +6,9 @@ of :func:`vllm.benchmarks.moe_weight_prep.run_benchmark`."""
 from __future__ import annotations
 
 __all__ = [
+    "STEP_COLOURS",
     "format_speedup",
+    "plot_figure",
     "REPORTED_STEPS",
     "VARIANTS",
     "format_mib",
@@ -16,7 +18,16 @@ __all__ = [
 
 MIB = 1 << 20
 #: Steps reported per variant; "total" is the whole preparation.
-REPORTED_STEPS = ("reorder", "swizzle", "fold", "total")
+#: Steps in the bounded preparation's order (the legacy one runs reorder,
+#: swizzle, fold), then the sum; the plot uses the same names and colours.
+REPORTED_STEPS = ("validate", "fold", "reorder", "swizzle", "finalize", "total")
+STEP_COLOURS = {
+    "validate": "tab:gray",
+    "fold": "tab:red",
+    "reorder": "tab:blue",
+    "swizzle": "tab:green",
+    "finalize": "tab:purple",
+}
 VARIANTS = ("legacy", "bounded")
 
 
@@ -41,13 +52,17 @@ def _secs(n: float | None) -> str:
     return "-" if n is None else f"{n:.3f} s"
 
 
+def _layers(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def format_report(result: dict) -> str:
     """The human-readable table for one :func:`run_benchmark` result."""
     s = result["summary"]
     lines = [
         f"model {result['model']} ({result['hf_id']}, {result['source']} weights), "
         f"device {result['device']}, "
-        f"TP {result['tp_size']}, {result['num_layers']} MoE layers, "
+        f"TP {result['tp_size']}, {_layers(result['num_layers'], 'MoE layer')}, "
         f"activation {result['activation']}"
         + (f", {n} busy core(s)" if (n := result.get("busy_cores")) else ""),
         f"per layer: w13 {result['shapes']['w13_weight']} + w2 "
@@ -69,9 +84,11 @@ def format_report(result: dict) -> str:
     lt, bt = s["legacy"]["total"]["total_time_s"], s["bounded"]["total"]["total_time_s"]
     lines += [
         "(peak: the most free memory one layer's step needs above the resident "
-        "weights; time: summed over layers)",
+        "weights, metered on the first layer of each shape; time: summed over "
+        "layers; -: the variant has no such step)",
         "",
-        f"totals: {result['num_layers']} layers, {format_mib(total_bytes)} of expert "
+        f"totals: {_layers(result['num_layers'], 'layer')}, "
+        f"{format_mib(total_bytes)} of expert "
         f"weights prepared; time legacy {_secs(lt)}, bounded {_secs(bt)}"
         + (f" (bounded {format_speedup(lt, bt)})" if lt and bt else ""),
         "free memory needed above the resident weights: legacy "
@@ -129,38 +146,63 @@ def _precision_table(result: dict) -> str:
 
 
 def write_plot(result: dict, path: str) -> None:
-    """PNG of the first layer's memory over the preparation steps, legacy and
-    bounded side by side (MiB allocated above the resident weights)."""
+    """Write :func:`plot_figure` of ``result`` as a PNG."""
+    fig = plot_figure(result)  # selects the Agg backend first
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_figure(result: dict):
+    """The first layer's preparation, legacy and bounded side by side:
+    MiB allocated above the resident weights against time (ms). Each step
+    spans its duration in the timed run, coloured as in ``STEP_COLOURS``;
+    the metered allocation levels are spread over it in the order they
+    happened (the meter itself slows code down, so it gives no times)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    timelines = result["first_layer_timelines"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
     for ax, variant in zip(axes, VARIANTS, strict=True):
+        records = timelines[variant]
+        total_ms = sum((r.get("time_s") or 0.0) for r in records) * 1e3
+        min_width = max(total_ms, 1e-3) / 100  # a short step stays visible
         x0, base = 0.0, 0.0
-        for rec in result["first_layer_timelines"][variant]:
-            xs, ys = [x0], [base]
+        for rec in records:
+            width = max((rec.get("time_s") or 0.0) * 1e3, min_width)
             levels = [lvl for _, lvl in rec["timeline"]]
             if not levels and rec["peak_bytes"] is not None:
                 levels = [rec["peak_bytes"], rec["growth_bytes"]]  # CUDA: no timeline
+            xs, ys = [x0], [base]
             for j, lvl in enumerate(levels):
-                xs.append(x0 + (j + 1) / (len(levels) + 1))
+                xs.append(x0 + width * (j + 1) / (len(levels) + 1))
                 ys.append(base + lvl / MIB)
             base += rec["growth_bytes"] / MIB
-            xs.append(x0 + 1)
+            xs.append(x0 + width)
             ys.append(base)
-            ax.step(xs, ys, where="post")
-            x0 += 1
-        ax.axhline(result["max_transient_bytes"] / MIB, color="grey", ls="--", lw=0.8)
-        steps = [rec["step"] for rec in result["first_layer_timelines"][variant]]
-        ax.set_xticks([i + 0.5 for i in range(len(steps))], steps, fontsize=8)
-        ax.set_title(variant)
+            colour = STEP_COLOURS.get(rec["step"], "black")
+            ax.step(xs, ys, where="post", color=colour, lw=1.6)
+            ax.fill_between(xs, ys, step="post", color=colour, alpha=0.2, lw=0)
+            x0 += width
+        ax.axhline(result["max_transient_bytes"] / MIB, color="black", ls="--", lw=0.8)
+        ax.set_xlim(0, x0)
+        ax.set_xlabel("time (ms)")
+        ax.set_title(f"{variant}: " + " -> ".join(r["step"] for r in records),
+                     fontsize=9)  # fmt: skip
     axes[0].set_ylabel("MiB allocated above the resident weights")
+    present = {r["step"] for v in VARIANTS for r in timelines[v]}
+    handles = [Patch(color=STEP_COLOURS[s], alpha=0.6, label=s)
+               for s in REPORTED_STEPS if s in present]  # fmt: skip
+    handles.append(Line2D([], [], color="black", ls="--", lw=0.8, label="bounded cap"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
     fig.suptitle(
-        f"{result['model']}: one MoE layer's weight preparation on "
-        f"{result['device']} (dashed: bounded cap)"
+        f"{result['model']}: one MoE layer's weight preparation on {result['device']}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig

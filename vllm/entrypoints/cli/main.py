@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.dispatch(args) or 0
+    except BrokenPipeError:
+        # The reader went away (`vllm bench ... | head`): not an error here.
+        # Point stdout at /dev/null so the interpreter's final flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
     except (ValueError, OSError) as e:
         # One line, prefixed like argparse's own errors for the same command.
         command = getattr(args, "command_parser", parser)
