@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    model_parallel_is_initialized,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts import get_nvfp4_experts_class
@@ -43,8 +49,20 @@ class FusedMoE(torch.nn.Module):
             ``max_transient_bytes``, or ``weights_only`` for the emulation).
         renormalize: renormalize the top-k routing weights to sum to 1.
         tp_rank, tp_size: tensor parallelism along I (the loader shards).
+            Default: this process's place in the tensor-parallel group when
+            ``vllm.distributed.initialize_model_parallel`` has run, else a
+            single process (0, 1).
         ep_rank, ep_size: expert parallelism; this rank owns global experts
-            [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size).
+            [ep_rank * E / ep_size, (ep_rank + 1) * E / ep_size). Default
+            (0, 1).
+        enable_expert_parallel: shard the experts, not I, over the
+            tensor-parallel ranks (as upstream): ep_rank, ep_size = the
+            resolved tp_rank, tp_size, and each expert's I stays whole
+            (tp_size 1 for the experts).
+        reduce_results: all-reduce the output over the tensor-parallel group
+            (``tensor_model_parallel_all_reduce``), so every rank returns the
+            whole layer's output; otherwise each returns its partial sum.
+            Needs the group, of the layer's parallel size.
         place_w3w1_at_load: make ``weight_loader`` write w3 into the first
             half of w13 so the preparation skips the reorder (default: what
             the backend wants; True for the b12x backends). Code that copies
@@ -64,10 +82,12 @@ class FusedMoE(torch.nn.Module):
         params_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str | None = None,
         renormalize: bool = True,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        ep_rank: int = 0,
-        ep_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        ep_rank: int | None = None,
+        ep_size: int | None = None,
+        enable_expert_parallel: bool = False,
+        reduce_results: bool = False,
         place_w3w1_at_load: bool | None = None,
         experts_kwargs: dict[str, Any] | None = None,
         prefix: str = "",
@@ -78,6 +98,12 @@ class FusedMoE(torch.nn.Module):
                 "FusedMoE in this tree supports NVFP4 experts only: pass "
                 "quant_config=ModelOptNvFp4Config()"
             )
+        tp_rank, tp_size, ep_rank, ep_size = _resolve_parallelism(
+            tp_rank, tp_size, ep_rank, ep_size, enable_expert_parallel
+        )
+        if reduce_results and tp_size * ep_size > 1:
+            _check_reduce_group(tp_size * ep_size)
+        self.reduce_results = reduce_results
         if intermediate_size % tp_size != 0:
             raise ValueError(
                 f"intermediate_size {intermediate_size} is not divisible by "
@@ -274,6 +300,49 @@ class FusedMoE(torch.nn.Module):
             local = topk_ids - self._first_expert
             owned = (local >= 0) & (local < self.local_num_experts)
             topk_ids = torch.where(owned, local, torch.full_like(local, -1))
-        return self.quant_method.apply(
+        out = self.quant_method.apply(
             self, hidden_states.to(self.params_dtype), topk_weights, topk_ids
+        )
+        if self.reduce_results and self.moe_config.tp_size * self.ep_size > 1:
+            # Each rank holds a partial sum (its slice of I, or its experts).
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+def _resolve_parallelism(tp_rank, tp_size, ep_rank, ep_size, enable_ep):
+    """(tp_rank, tp_size, ep_rank, ep_size) of a layer from its arguments and
+    the tensor-parallel group, if any (see ``FusedMoE``)."""
+    if (tp_rank is None) != (tp_size is None):
+        raise ValueError("give tp_rank and tp_size together, or neither")
+    if (ep_rank is None) != (ep_size is None):
+        raise ValueError("give ep_rank and ep_size together, or neither")
+    if tp_size is None:
+        if model_parallel_is_initialized():
+            tp_rank = get_tensor_model_parallel_rank()
+            tp_size = get_tensor_model_parallel_world_size()
+        else:
+            tp_rank, tp_size = 0, 1
+    if enable_ep:
+        if ep_size is not None:
+            raise ValueError(
+                "enable_expert_parallel takes the expert-parallel rank and size "
+                "from the tensor-parallel ones: do not also give ep_rank/ep_size"
+            )
+        return 0, 1, tp_rank, tp_size
+    if ep_size is None:
+        ep_rank, ep_size = 0, 1
+    return tp_rank, tp_size, ep_rank, ep_size
+
+
+def _check_reduce_group(parallel_size: int) -> None:
+    if not model_parallel_is_initialized():
+        raise ValueError(
+            "reduce_results=True with a parallel layer needs the tensor-parallel "
+            "group: call vllm.distributed.initialize_model_parallel first"
+        )
+    group = get_tensor_model_parallel_world_size()
+    if group != parallel_size:
+        raise ValueError(
+            f"reduce_results=True: the layer is split {parallel_size} ways but the "
+            f"tensor-parallel group has {group} ranks"
         )

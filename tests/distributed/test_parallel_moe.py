@@ -1,0 +1,219 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Tensor and expert parallelism across real processes (gloo on CPU).
+
+Each worker is a spawned process in a 2-rank tensor-parallel group; it
+loads its own shard of one checkpoint written in ``tmp_path``, prepares it
+and runs ``forward`` with ``reduce_results=True``. Every rank's output must
+equal the single-process layer's output on the same checkpoint.
+
+Tolerance: every rank's partial output is rounded to BF16 and the
+all-reduced sum once more, where the single process rounds its sum once.
+One BF16 rounding leaves a uniform error of at most half an ulp, the ulp
+being 2^-7 of the value's binade: an RMS of 2^-7 / sqrt(12) ~ 0.0023 of the
+binade's base, ~0.0016 of values spread over it. With two partials of about
+1 / sqrt(2) of the total each, three roundings: sqrt(1/2 + 1/2 + 1) *
+0.0016 ~ 0.0023 relative RMS (measured 0.0024-0.0030: partials that cancel
+are larger). Everything else (codes, block scales, the FP4 quantization of
+activations: TP slices of I start at multiples of 16) is identical.
+Tolerance 0.006. Negative control: both ranks load rank 0's shard, so the
+sum double-counts it and misses the other: measured 1.00-1.03.
+"""
+
+import pytest
+import torch
+
+from tests.kernels.moe.utils import rel_rms_error
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from vllm.distributed.launcher import WorkerError, spawn_workers
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
+    main as write_example,
+)
+from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import NVFP4MoECheckpoint
+
+TOL = 0.006
+E, H, I_SIZE = 8, 256, 256
+
+
+def _layer(ckpt, top_k, **parallel):
+    return FusedMoE(
+        num_experts=ckpt.num_experts, top_k=top_k, hidden_size=ckpt.hidden_size,
+        intermediate_size=ckpt.intermediate_size, activation=ckpt.activation,
+        quant_config=ModelOptNvFp4Config(), moe_backend="flashinfer_b12x_emulated",
+        **parallel,
+    )  # fmt: skip
+
+
+def _run(ckpt, x, logits, top_k, **parallel):
+    layer = _layer(ckpt, top_k, **parallel)
+    ckpt.load_layer(layer, ckpt.moe_layers[0])
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, layer(x, logits)
+
+
+# (name, top_k, FusedMoE parallel arguments, is a negative control)
+SCENARIOS = [
+    ("tp2", 2, {"reduce_results": True}, False),
+    ("ep2", 2, {"enable_expert_parallel": True, "reduce_results": True}, False),
+    # top-4 of 8 experts: every token's experts span both ranks.
+    ("ep2_top4", 4, {"enable_expert_parallel": True, "reduce_results": True}, False),
+    ("tp2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 2, "reduce_results": True},
+     True),
+    ("ep2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 1, "ep_rank": 0,
+                                "ep_size": 2, "reduce_results": True}, True),
+]  # fmt: skip
+
+
+def _worker(rank, ckpt_dir, x, logits):
+    assert get_tensor_model_parallel_rank() == rank
+    assert get_tensor_model_parallel_world_size() == 2
+    ckpt = NVFP4MoECheckpoint(ckpt_dir)
+    out = {}
+    for name, top_k, parallel, _ in SCENARIOS:
+        layer, y = _run(ckpt, x, logits, top_k, **parallel)
+        out[name] = {
+            "y": y,
+            "w13_rows": layer.w13_weight.shape[1],
+            "local_experts": layer.local_num_experts,
+            "owned": [layer.map_global_expert(e) for e in range(E)],
+        }
+    # The collective itself: every rank gets the sum.
+    out["all_reduce"] = tensor_model_parallel_all_reduce(torch.tensor([rank + 1.0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "moe"
+    write_example([str(path), "--num-layers", "1", "--num-experts", str(E),
+                   "--top-k", "2", "--hidden-size", str(H),
+                   "--intermediate-size", str(I_SIZE)])  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, H, generator=gen).bfloat16()
+    logits = torch.randn(16, E, generator=gen)
+    ckpt = NVFP4MoECheckpoint(checkpoint)
+    reference = {k: _run(ckpt, x, logits, k)[1] for k in (2, 4)}
+    results = spawn_workers(_worker, 2, args=(str(checkpoint), x, logits),
+                            timeout_s=120)  # fmt: skip
+    return results, reference
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_every_rank_returns_the_single_process_output(two_ranks, scenario):
+    results, reference = two_ranks
+    name, top_k, _, negative = scenario
+    for rank, result in enumerate(results):
+        err = rel_rms_error(result[name]["y"], reference[top_k])
+        if negative:
+            assert err > 50 * TOL, f"rank {rank}: {name} {err:.4f}"
+        else:
+            assert err < TOL, f"rank {rank}: {name} {err:.4f}"
+    if not negative:  # the all-reduce gives both ranks the same bytes
+        assert torch.equal(results[0][name]["y"], results[1][name]["y"])
+
+
+def test_each_rank_holds_its_shard_and_the_collective_sums(two_ranks):
+    results, _ = two_ranks
+    for rank, result in enumerate(results):
+        assert result["all_reduce"].item() == 3.0  # 1 + 2
+        # TP: half of I per rank (w13 rows 2 * I / 2), all experts.
+        assert result["tp2"]["w13_rows"] == I_SIZE
+        assert result["tp2"]["local_experts"] == E
+        # EP: whole I, half of the experts: rank r owns [4r, 4r + 4).
+        assert result["ep2"]["w13_rows"] == 2 * I_SIZE
+        owned = result["ep2"]["owned"]
+        assert owned == [e - 4 * rank if e // 4 == rank else None for e in range(E)]
+
+
+def _fail_on_rank_1(rank):
+    if rank == 1:
+        raise ValueError("checkpoint shard of rank 1 is broken")
+    # Rank 0 waits in a collective for a rank that will never come.
+    tensor_model_parallel_all_reduce(torch.ones(1))
+    return "unreachable"
+
+
+def test_a_failing_rank_ends_the_job_with_its_error():
+    import multiprocessing
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
+        spawn_workers(_fail_on_rank_1, 2, timeout_s=120)
+    assert time.monotonic() - start < 60  # not the collective's timeout
+    assert multiprocessing.active_children() == []
+
+
+# --- without processes: ownership on every rank, the reader with EP ---------
+
+
+@pytest.mark.parametrize("ep_size", [2, 4, 8])
+def test_expert_ownership_on_every_rank(checkpoint, ep_size):
+    ckpt = NVFP4MoECheckpoint(checkpoint)
+    per = E // ep_size
+    owners = {e: [] for e in range(E)}
+    for rank in range(ep_size):
+        layer = _layer(ckpt, 2, ep_rank=rank, ep_size=ep_size)
+        assert layer.local_num_experts == per
+        for e in range(E):
+            local = layer.map_global_expert(e)
+            if local is not None:
+                owners[e].append((rank, local))
+        with pytest.raises(ValueError, match="out of range"):
+            layer.map_global_expert(E)
+        with pytest.raises(ValueError, match="out of range"):
+            layer.map_global_expert(-1)
+    # Every expert has exactly one owner: rank e // per, at index e % per
+    # (rank 0 owns expert 0, the last rank the last expert).
+    assert owners == {e: [(e // per, e % per)] for e in range(E)}
+
+
+def test_reader_loads_each_ranks_experts_with_expert_parallelism(checkpoint):
+    ckpt = NVFP4MoECheckpoint(checkpoint)
+    full = _layer(ckpt, 2)
+    ckpt.load_layer(full, ckpt.moe_layers[0])
+    names = [n for n, _ in full.named_parameters()]
+    for ep_size in (2, 4):
+        per = E // ep_size
+        for rank in range(ep_size):
+            layer = _layer(ckpt, 2, ep_rank=rank, ep_size=ep_size)
+            ckpt.load_layer(layer, ckpt.moe_layers[0])
+            for name in names:
+                got = getattr(layer, name).data
+                want = getattr(full, name).data[rank * per : (rank + 1) * per]
+                assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1
+                                   else got, want.view(torch.uint8)
+                                   if want.dtype.itemsize == 1 else want), (
+                    f"ep {ep_size} rank {rank}: {name}")  # fmt: skip
+            # An expert of another rank is not loaded (weight_loader says so).
+            other = ((rank + 1) % ep_size) * per
+            assert not layer.weight_loader(
+                layer.w2_input_scale, torch.ones(()), "x", "w2", other
+            )
+
+
+def test_parallel_arguments_are_checked():
+    ckpt_args = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I_SIZE,
+                     quant_config=ModelOptNvFp4Config(),
+                     moe_backend="flashinfer_b12x_emulated")  # fmt: skip
+    with pytest.raises(ValueError, match="tp_rank and tp_size together"):
+        FusedMoE(**ckpt_args, tp_size=2)
+    with pytest.raises(ValueError, match="do not also give ep_rank"):
+        FusedMoE(**ckpt_args, enable_expert_parallel=True, ep_rank=0, ep_size=2)
+    # reduce_results on a split layer needs the group (none in this process).
+    with pytest.raises(ValueError, match="initialize_model_parallel"):
+        FusedMoE(**ckpt_args, tp_rank=0, tp_size=2, reduce_results=True)
+    # Without a group: a single process, nothing to reduce.
+    layer = FusedMoE(**ckpt_args, reduce_results=True, enable_expert_parallel=True)
+    assert (layer.moe_config.tp_size, layer.ep_size) == (1, 1)

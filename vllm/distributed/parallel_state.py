@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Process groups for tensor (and, over the same group, expert) parallelism.
+
+The part of upstream vLLM's ``vllm.distributed.parallel_state`` this slice
+needs, with its names, on ``torch.distributed`` process groups::
+
+    init_distributed_environment(world_size=2, rank=r,
+                                 distributed_init_method="tcp://host:port")
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    tensor_model_parallel_all_reduce(x)   # vllm.distributed.communication_op
+    destroy_model_parallel(); destroy_distributed_environment()
+
+Ranks [i * tp, (i + 1) * tp) form tensor-parallel group i. The backend is
+gloo on CPU and NCCL on CUDA unless given.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GroupCoordinator",
+    "destroy_distributed_environment",
+    "destroy_model_parallel",
+    "get_tensor_model_parallel_rank",
+    "get_tensor_model_parallel_world_size",
+    "get_tp_group",
+    "get_world_group",
+    "init_distributed_environment",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+]
+
+
+@dataclass
+class GroupCoordinator:
+    """One process group and this process's place in it.
+
+    ``ranks`` are the global ranks of the group, ``rank_in_group`` this
+    process's index among them; ``device_group`` is the
+    ``torch.distributed`` group collectives run on.
+    """
+
+    ranks: list[int]
+    rank: int
+    device_group: dist.ProcessGroup | None
+    backend: str
+
+    @property
+    def rank_in_group(self) -> int:
+        return self.ranks.index(self.rank)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of ``x`` over the group, in place; returns ``x`` (a group
+        of one returns it unchanged). Every rank must call it."""
+        if self.world_size == 1:
+            return x
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.device_group)
+        return x
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.device_group)
+
+
+_WORLD: GroupCoordinator | None = None
+_TP: GroupCoordinator | None = None
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed_environment(
+    world_size: int = -1,
+    rank: int = -1,
+    distributed_init_method: str = "env://",
+    local_rank: int = -1,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """Join the default process group (``torch.distributed``) unless this
+    process already has; sets the world group.
+
+    ``world_size`` and ``rank`` of -1 are read by the init method (e.g. the
+    ``WORLD_SIZE`` and ``RANK`` variables of ``env://``). ``backend``:
+    default gloo on CPU machines, NCCL with CUDA. ``local_rank`` (the device
+    index on this node) selects the CUDA device with NCCL; -1 means
+    ``rank``. Raises ValueError for a rank outside the world.
+    """
+    global _WORLD
+    if world_size != -1 and rank != -1 and not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    backend = backend or _default_backend()
+    if not dist.is_initialized():
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(backend, init_method=distributed_init_method,
+                                world_size=world_size, rank=rank, **kwargs)  # fmt: skip
+    backend = dist.get_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank if local_rank != -1 else dist.get_rank())
+    if _WORLD is None:
+        _WORLD = GroupCoordinator(
+            ranks=list(range(dist.get_world_size())),
+            rank=dist.get_rank(),
+            device_group=dist.group.WORLD,
+            backend=backend,
+        )
+
+
+def get_world_group() -> GroupCoordinator:
+    if _WORLD is None:
+        raise RuntimeError(
+            "the distributed environment is not initialized: call "
+            "init_distributed_environment first"
+        )
+    return _WORLD
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1, backend: str | None = None
+) -> None:
+    """Split the world into tensor-parallel groups of
+    ``tensor_model_parallel_size`` consecutive ranks. Every rank must call
+    it (each group is created by all ranks). Raises ValueError when the size
+    does not divide the world, RuntimeError when already initialized."""
+    global _TP
+    world = get_world_group()
+    tp = tensor_model_parallel_size
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_model_parallel_size must be >= 1, got {tp!r}")
+    if world.world_size % tp != 0:
+        raise ValueError(
+            f"tensor_model_parallel_size {tp} does not divide the world size "
+            f"{world.world_size}"
+        )
+    if _TP is not None:
+        raise RuntimeError("tensor model parallel group is already initialized")
+    backend = backend or world.backend
+    mine = None
+    for start in range(0, world.world_size, tp):
+        ranks = list(range(start, start + tp))
+        # new_group is collective over the whole world: every rank creates
+        # every group, and keeps its own.
+        group = dist.new_group(ranks, backend=backend)
+        if world.rank in ranks:
+            mine = GroupCoordinator(ranks, world.rank, group, backend)
+    _TP = mine
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TP is not None
+
+
+def get_tp_group() -> GroupCoordinator:
+    if _TP is None:
+        raise RuntimeError(
+            "tensor model parallel group is not initialized: call "
+            "initialize_model_parallel first"
+        )
+    return _TP
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This process's rank in its tensor-parallel group."""
+    return get_tp_group().rank_in_group
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """The size of this process's tensor-parallel group."""
+    return get_tp_group().world_size
+
+
+def destroy_model_parallel() -> None:
+    """Drop the tensor-parallel group (a no-op when there is none)."""
+    global _TP
+    if _TP is not None and _TP.device_group is not None and dist.is_initialized():
+        dist.destroy_process_group(_TP.device_group)
+    _TP = None
+
+
+def destroy_distributed_environment() -> None:
+    """Drop the model-parallel groups and leave the default process group."""
+    global _WORLD
+    destroy_model_parallel()
+    _WORLD = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
