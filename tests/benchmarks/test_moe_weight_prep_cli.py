@@ -5,6 +5,7 @@
 import json
 
 import pytest
+import torch
 
 from vllm.entrypoints.cli.main import main
 
@@ -43,28 +44,92 @@ def test_list_and_errors(capsys):
     assert "--tp 3" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
-def test_checkpoint_directory(tmp_path, capsys, fmt):
+def _example(path, fmt="modelopt", layers=2):
     from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
         main as write_example,
     )
 
-    ckpt = tmp_path / "ckpt"
-    write_example([str(ckpt), "--format", fmt, "--num-layers", "2",
-                   "--num-experts", "8", "--hidden-size", "256",
+    write_example([str(path), "--format", fmt, "--num-layers", str(layers),
+                   "--num-experts", "8", "--top-k", "2", "--hidden-size", "256",
                    "--intermediate-size", "256"])  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_checkpoint_directory(tmp_path, capsys, fmt):
+    ckpt = _example(tmp_path / "ckpt", fmt)
     out_json = tmp_path / "r.json"
-    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
-          "--no-progress", "--json", str(out_json)])  # fmt: skip
+    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
+          "--json", str(out_json)])  # fmt: skip
     text = capsys.readouterr().out
     assert f"({fmt}), checkpoint weights" in text
     result = json.loads(out_json.read_text())
-    assert result["num_layers"] == 2 and result["tp_size"] == 2
-    # Per layer: w13 [8, 256, 128] + scales [8, 256, 16] at TP 2.
-    assert result["shapes"]["w13_weight"] == [8, 256, 128]
+    assert result["num_layers"] == 2 and result["tp_size"] == 1
+    # Per layer: w13 [8, 512, 128] + scales [8, 512, 16].
+    assert result["shapes"]["w13_weight"] == [8, 512, 128]
     legacy = result["summary"]["legacy"]["reorder"]["max_transient_bytes"]
-    assert legacy == 8 * 256 * (128 + 16)
+    assert legacy == 8 * 512 * (128 + 16)
     assert result["summary"]["bounded"]["total"]["max_transient_bytes"] < legacy
+
+
+# (flags, shard of rank r, w13 shape of each rank)
+PARALLEL = {
+    "tp2": ([], "TP {r}/2", [8, 256, 128]),
+    "ep2": (["--enable-expert-parallel"], "EP {r}/2", [4, 512, 128]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARALLEL))
+def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
+    flags, shard, w13 = PARALLEL[case]
+    ckpt = _example(tmp_path / "ckpt")
+    out_json = tmp_path / "r.json"
+    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
+          *flags, "--no-progress", "--json", str(out_json)])  # fmt: skip
+    text = capsys.readouterr().out
+    ranks = json.loads(out_json.read_text())["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r, result in enumerate(ranks):
+        assert result["shard"] == shard.format(r=r)
+        assert result["shapes"]["w13_weight"] == w13
+        # Each rank's bounded peak within its cap, below its legacy peak.
+        s = result["summary"]
+        assert 0 < s["bounded"]["total"]["max_transient_bytes"] <= 64 * MIB
+        assert (
+            s["bounded"]["total"]["max_transient_bytes"]
+            < (s["legacy"]["total"]["max_transient_bytes"])
+        )
+    # The per-rank table: one line per rank and their maximum.
+    lines = text[text.index("per rank: 2 processes") :].splitlines()
+    assert lines[2].split()[:3] == ["0", *shard.format(r=0).split()]
+    assert lines[3].split()[:3] == ["1", *shard.format(r=1).split()]
+    assert lines[4].startswith("max")
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capsys):
+    # Rank 1's experts (4..7 under EP 2) include one with a NaN global
+    # scale: rank 1 fails at load, rank 0 (waiting for it before the next
+    # layer) is stopped; the job exits 1 with rank 1's error, promptly.
+    import time
+
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _example(tmp_path / "ckpt", layers=2)
+    name = "model.layers.0.mlp.experts.6.down_proj.weight_scale_2"
+    for f in ckpt.glob("*.safetensors"):
+        tensors = load_file(f)
+        if name in tensors:
+            tensors[name] = torch.tensor(float("nan"))
+            save_file(tensors, f)
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
+              "--enable-expert-parallel", "--no-progress"])  # fmt: skip
+    assert exit_info.value.code == 1
+    assert time.monotonic() - start < 60
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("vllm bench moe-weight-prep: error: rank 1: "), err
+    assert "expert 6" in err[-1] and "Traceback" not in "\n".join(err)
 
 
 BAD_ARGUMENTS = {
@@ -104,23 +169,24 @@ def test_bad_arguments_are_one_line_errors_before_the_run(case, capsys, monkeypa
     assert not any("Traceback" in line for line in err)
 
 
-def test_memory_limit_exceeded_exits_non_zero(capsys):
-    args = ["bench", "moe-weight-prep", "--model", "mixtral-8x7b", "--num-layers",
-            "1", "--tp", "8", "--no-progress"]  # fmt: skip
+def test_memory_limit_exceeded_exits_non_zero(tmp_path, capsys):
+    ckpt = _example(tmp_path / "ckpt", layers=1)
+    args = ["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress"]
     assert main([*args, "--memory-limit", "1"]) == 1
     captured = capsys.readouterr()
     assert "bounded EXCEEDS" in captured.out
     assert "the bounded preparation exceeds --memory-limit" in captured.err
     # Control: a limit the bounded preparation fits in exits 0 (the legacy one
     # exceeding it is the baseline being shown, not a failure).
-    assert main([*args, "--memory-limit", "16MiB"]) == 0
+    assert main([*args, "--memory-limit", "400KiB"]) == 0
     assert "legacy EXCEEDS, bounded fits" in capsys.readouterr().out
 
 
 def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, capsys):
     out_json = tmp_path / "r.json"
-    main(["bench", "moe-weight-prep", "--model", "mixtral-8x7b", "--num-layers", "3",
-          "--tp", "8", "--no-progress", "--json", str(out_json)])  # fmt: skip
+    ckpt = _example(tmp_path / "c", layers=3)
+    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
+          "--json", str(out_json)])  # fmt: skip
     result = json.loads(out_json.read_text())
     layers = result["layers"]
     assert len(layers) == 3

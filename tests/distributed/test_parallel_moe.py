@@ -105,7 +105,7 @@ def two_ranks(checkpoint):
     ckpt = NVFP4MoECheckpoint(checkpoint)
     reference = {k: _run(ckpt, x, logits, k)[1] for k in (2, 4)}
     results = spawn_workers(_worker, 2, args=(str(checkpoint), x, logits),
-                            timeout_s=120)  # fmt: skip
+                            timeout_s=120, deadline_s=120)  # fmt: skip
     return results, reference
 
 
@@ -150,7 +150,7 @@ def test_a_failing_rank_ends_the_job_with_its_error():
 
     start = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
-        spawn_workers(_fail_on_rank_1, 2, timeout_s=120)
+        spawn_workers(_fail_on_rank_1, 2, timeout_s=120, deadline_s=120)
     assert time.monotonic() - start < 60  # not the collective's timeout
     assert multiprocessing.active_children() == []
 

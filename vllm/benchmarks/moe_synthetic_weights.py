@@ -44,29 +44,40 @@ def _global_scales(n: int, device, gen) -> torch.Tensor:
 
 
 def synthetic_w13(
-    preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
+    preset: MoEModelPreset,
+    tp_size: int,
+    device: torch.device,
+    seed: int,
+    num_experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random ``w13_weight`` [E, rows, H/2] uint8 and ``w13_weight_scale``
-    [E, rows, H/16] float8_e4m3fn (finite, positive) of the preset's shapes."""
+    [E, rows, H/16] float8_e4m3fn (finite, positive) of the preset's shapes
+    (E: ``num_experts``, default all of the preset's)."""
     rows = preset.w13_rows(tp_size)
-    e, h = preset.num_experts, preset.hidden_size
+    e, h = num_experts or preset.num_experts, preset.hidden_size
     gen = torch.Generator(device=device).manual_seed(seed)
     weight = _random_bytes(e * rows * (h // 2), device, gen).view(e, rows, h // 2)
     return weight, _random_scales((e, rows, h // 16), device, gen)
 
 
 def synthetic_layer_tensors(
-    preset: MoEModelPreset, tp_size: int, device: torch.device, seed: int
+    preset: MoEModelPreset,
+    tp_size: int,
+    device: torch.device,
+    seed: int,
+    num_experts: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """One MoE layer's ModelOpt NVFP4 parameters with random contents, keyed
     by FusedMoE parameter name (checkpoint layout): random codes, block and
     global scales of the magnitudes real checkpoints have (see
     ``_random_scales`` and ``SYNTHETIC_WEIGHT_STD``). w1 and w3 share a global
-    scale, as ModelOpt exports them (and so the legacy fold is comparable)."""
-    e, h = preset.num_experts, preset.hidden_size
+    scale, as ModelOpt exports them (and so the legacy fold is comparable).
+    ``num_experts``: this rank's experts under expert parallelism (default
+    all of the preset's); ``tp_size`` divides I."""
+    e, h = num_experts or preset.num_experts, preset.hidden_size
     i = preset.intermediate_size_per_partition(tp_size)
     shards = 2 if preset.is_gated else 1
-    w13, s13 = synthetic_w13(preset, tp_size, device, seed)
+    w13, s13 = synthetic_w13(preset, tp_size, device, seed, e)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     g13 = _global_scales(e, device, gen).view(e, 1)
     g2 = _global_scales(e, device, gen)

@@ -53,9 +53,11 @@ from vllm.benchmarks.moe_weight_prep_report import (
     REPORTED_STEPS,
     VARIANTS,
     format_mib,
+    format_ranks,
     format_report,
     write_plot,
 )
+from vllm.distributed.launcher import spawn_workers
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
@@ -69,6 +71,7 @@ __all__ = [
     "CLI_DESCRIPTION",
     "CLI_HELP",
     "REPORTED_STEPS",
+    "RankShard",
     "add_cli_args",
     "main",
     "run_benchmark",
@@ -88,7 +91,41 @@ CLI_DESCRIPTION = (
 )
 
 
-def _make_layer(preset, tp_size, device, tensors, cap, mode="alpha"):
+@dataclass(frozen=True)
+class RankShard:
+    """The shard of every MoE layer one rank prepares: I split ``tp_size``
+    ways (tensor parallelism) or the experts split ``ep_size`` ways (expert
+    parallelism, each expert's I whole)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.tp_rank * self.ep_size + self.ep_rank
+
+    def layer_kwargs(self) -> dict[str, int]:
+        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size,
+                "ep_rank": self.ep_rank, "ep_size": self.ep_size}  # fmt: skip
+
+    def describe(self) -> str:
+        if self.ep_size > 1:
+            return f"EP {self.ep_rank}/{self.ep_size}"
+        return f"TP {self.tp_rank}/{self.tp_size}"
+
+    def check(self, preset: MoEModelPreset) -> None:
+        """ValueError if ``preset`` cannot be split this way."""
+        preset.intermediate_size_per_partition(self.tp_size)
+        if preset.num_experts % self.ep_size:
+            raise ValueError(
+                f"--tp {self.ep_size} with --enable-expert-parallel does not divide "
+                f"{preset.name}'s {preset.num_experts} experts"
+            )
+
+
+def _make_layer(preset, shard, device, tensors, cap, mode="alpha"):
     from vllm.model_executor.layers.fused_moe.layer import FusedMoE
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
@@ -103,7 +140,7 @@ def _make_layer(preset, tp_size, device, tensors, cap, mode="alpha"):
         quant_config=ModelOptNvFp4Config(),
         moe_backend="flashinfer_b12x_emulated",
         device=device,
-        tp_size=tp_size,
+        **shard.layer_kwargs(),
         place_w3w1_at_load=False,  # tensors are copied in checkpoint layout
         experts_kwargs={"max_transient_bytes": cap, "global_scale_mode": mode},
     )
@@ -190,8 +227,8 @@ def _legacy_run(tensors, gated, device, metered):
     return records, owned
 
 
-def _bounded_run(preset, tp_size, tensors, device, cap, metered, mode="alpha"):
-    layer = _make_layer(preset, tp_size, device, tensors, cap, mode)
+def _bounded_run(preset, shard, tensors, device, cap, metered, mode="alpha"):
+    layer = _make_layer(preset, shard, device, tensors, cap, mode)
     steps = dict(layer.quant_method.preparation_steps(layer))
     # Building the kernel object is part of finishing the layer: one step.
     finalize, kernel = steps.pop("finalize"), steps.pop("kernel")
@@ -261,7 +298,7 @@ def run_benchmark(
     preset: MoEModelPreset,
     *,
     device: torch.device,
-    tp_size: int = 1,
+    shard: RankShard | None = None,
     num_layers: int | None = None,
     max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
     memory_limit: int | None = None,
@@ -269,8 +306,13 @@ def run_benchmark(
     progress: bool = True,
     layer_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None,
     global_scale_mode: str = "alpha",
+    before_layer: Callable[[], None] | None = None,
 ) -> dict:
     """Prepare ``num_layers`` layers of ``preset``, legacy and bounded.
+
+    ``shard`` is the part of each layer this process prepares (default: all
+    of it); ``before_layer()``, if given, runs before each layer (the ranks
+    of a parallel job meet there, so they prepare at the same moment).
 
     The bounded preparation runs with ``global_scale_mode`` ("alpha", the
     default, or upstream's "fold"); the first layer is also prepared in the
@@ -284,6 +326,9 @@ def run_benchmark(
     summaries, and the first layer's metered timelines (for the plot).
     Raises RuntimeError if the two preparations give different bytes.
     """
+    shard = shard or RankShard()
+    shard.check(preset)
+    local_experts = preset.num_experts // shard.ep_size
     layers = preset.num_moe_layers if num_layers is None else num_layers
     if not 1 <= layers <= preset.num_moe_layers:
         raise ValueError(
@@ -303,9 +348,13 @@ def run_benchmark(
         pass
     for idx in tqdm(range(layers), desc=preset.name, unit="layer",
                     disable=not progress):  # fmt: skip
+        if before_layer is not None:
+            before_layer()
         if layer_tensors is None:
             if synthetic is None:
-                synthetic = synthetic_layer_tensors(preset, tp_size, device, seed)
+                synthetic = synthetic_layer_tensors(
+                    preset, shard.tp_size, device, seed, local_experts
+                )
             tensors = synthetic
         else:
             tensors = layer_tensors(idx)
@@ -323,7 +372,7 @@ def run_benchmark(
             legacy_timed, legacy_out = _legacy_run(tensors, preset.is_gated, device,
                                                    False)  # fmt: skip
             bounded_timed, layer = _bounded_run(
-                preset, tp_size, tensors, device, max_transient_bytes, False,
+                preset, shard, tensors, device, max_transient_bytes, False,
                 global_scale_mode,
             )  # fmt: skip
             ok = not any(r.error for r in legacy_timed + bounded_timed)
@@ -331,7 +380,7 @@ def run_benchmark(
                 _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
             del legacy_out
             if ok and idx == 0:
-                experts = sorted({0, preset.num_experts // 2, preset.num_experts - 1})
+                experts = sorted({0, local_experts // 2, local_experts - 1})
                 precision[global_scale_mode] = prepared_weight_precision(
                     layer, tensors, experts
                 )
@@ -341,7 +390,7 @@ def run_benchmark(
             if ok and idx == 0:
                 other = "fold" if global_scale_mode == "alpha" else "alpha"
                 _, other_layer = _bounded_run(
-                    preset, tp_size, tensors, device, max_transient_bytes, False,
+                    preset, shard, tensors, device, max_transient_bytes, False,
                     other,
                 )  # fmt: skip
                 precision[other] = prepared_weight_precision(
@@ -353,7 +402,7 @@ def run_benchmark(
             if meter:
                 metered_shapes.add(shape_key)
                 legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
-                bounded_mem, _ = _bounded_run(preset, tp_size, tensors, device,
+                bounded_mem, _ = _bounded_run(preset, shard, tensors, device,
                                               max_transient_bytes, True,
                                               global_scale_mode)  # fmt: skip
         row["legacy"] = _merge(legacy_timed, legacy_mem)
@@ -398,7 +447,10 @@ def run_benchmark(
         "source": "synthetic" if layer_tensors is None else "checkpoint",
         "device": str(device),
         "torch": torch.__version__,
-        "tp_size": tp_size,
+        "tp_size": shard.tp_size,
+        "ep_size": shard.ep_size,
+        "rank": shard.rank,
+        "shard": shard.describe(),
         "num_layers": layers,
         "activation": preset.activation,
         "max_transient_bytes": max_transient_bytes,
@@ -564,7 +616,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="where the weights live and are prepared (auto: cuda when available)",
     )
     parser.add_argument(
-        "--tp", type=positive_int, default=1, help="tensor-parallel size (divides I)"
+        "--tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel size: N worker processes (gloo on CPU), each "
+        "loading or synthesising its own shard and preparing it at the same "
+        "moment as the others; N divides I (default 1: this process)",
+    )
+    parser.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tp N: shard the experts over the N ranks instead of I "
+        "(N divides the number of experts)",
     )
     parser.add_argument(
         "--num-layers",
@@ -609,9 +673,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _checkpoint_source(path: str, tp_size: int, device: torch.device):
+def _checkpoint_source(path: str, shard: RankShard, device: torch.device):
     """A preset describing the checkpoint's MoE geometry, and a function that
-    loads its i-th MoE layer (tensor-parallel rank 0 of ``tp_size``)."""
+    loads ``shard`` of its i-th MoE layer."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoE
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
     from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
@@ -629,7 +693,7 @@ def _checkpoint_source(path: str, tp_size: int, device: torch.device):
         intermediate_size=ckpt.intermediate_size,
         activation=ckpt.activation,
     )
-    preset.intermediate_size_per_partition(tp_size)  # validates --tp
+    shard.check(preset)  # validates --tp
 
     def layer_tensors(i: int) -> dict[str, torch.Tensor]:
         layer = FusedMoE(
@@ -638,7 +702,7 @@ def _checkpoint_source(path: str, tp_size: int, device: torch.device):
             intermediate_size=preset.intermediate_size,
             activation=preset.activation, quant_config=ModelOptNvFp4Config(),
             moe_backend="flashinfer_b12x_emulated", device=device,
-            tp_size=tp_size, place_w3w1_at_load=False,
+            **shard.layer_kwargs(), place_w3w1_at_load=False,
         )  # fmt: skip
         # No bar per tensor: the job's bar counts layers already.
         ckpt.load_layer(layer, ckpt.moe_layers[i])
@@ -706,39 +770,101 @@ def main(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device is available")
+    n = args.tp
+    if n > 1 and device.type == "cuda" and torch.cuda.device_count() < n:
+        raise ValueError(
+            f"--tp {n} on CUDA needs {n} devices, found {torch.cuda.device_count()}"
+        )
+    rank0 = _shard_of(0, n, args.enable_expert_parallel)
     layer_tensors = None
     if args.checkpoint:
-        preset, layer_tensors = _checkpoint_source(args.checkpoint, args.tp, device)
+        preset, layer_tensors = _checkpoint_source(args.checkpoint, rank0, device)
     else:
         preset = get_preset(args.model)
+        rank0.check(preset)  # a bad --tp is refused before anything runs
+    params = {
+        "preset": preset,
+        "checkpoint": args.checkpoint,
+        "world_size": n,
+        "expert_parallel": args.enable_expert_parallel,
+        "device": device.type,
+        "num_layers": args.num_layers,
+        "max_transient_bytes": args.max_transient,
+        "memory_limit": args.memory_limit,
+        "seed": args.seed,
+        "progress": not args.no_progress,
+        "global_scale_mode": args.global_scale_mode,
+    }
     with busy_cores(args.busy_cores):
-        result = run_benchmark(
-            preset,
-            device=device,
-            tp_size=args.tp,
-            num_layers=args.num_layers,
-            max_transient_bytes=args.max_transient,
-            memory_limit=args.memory_limit,
-            seed=args.seed,
-            progress=not args.no_progress,
-            layer_tensors=layer_tensors,
-            global_scale_mode=args.global_scale_mode,
-        )
-    result["busy_cores"] = args.busy_cores
-    print(format_report(result))
+        if n == 1:
+            results = [
+                run_benchmark(
+                    preset, device=device, shard=rank0, num_layers=args.num_layers,
+                    max_transient_bytes=args.max_transient,
+                    memory_limit=args.memory_limit, seed=args.seed,
+                    progress=not args.no_progress, layer_tensors=layer_tensors,
+                    global_scale_mode=args.global_scale_mode,
+                )
+            ]  # fmt: skip
+        else:
+            results = spawn_workers(_rank_job, n, args=(params,))
+    for result in results:
+        result["busy_cores"] = args.busy_cores
+    print(format_report(results[0]))
+    if n > 1:
+        print()
+        print(format_ranks(results))
     if args.plot:
-        write_plot(result, args.plot)
+        write_plot(results[0], args.plot)
         print(f"wrote {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results[0] if n == 1 else {"ranks": results}, f, indent=2)
         print(f"wrote {args.json}")
-    limit_ok = result["memory_limit_ok"]
-    if limit_ok is not None and not limit_ok["bounded"]:
+    over = [
+        r["rank"]
+        for r in results
+        if r["memory_limit_ok"] is not None and not r["memory_limit_ok"]["bounded"]
+    ]
+    if over:
+        where = "" if n == 1 else f" on rank(s) {', '.join(map(str, over))}"
         print(
             "vllm bench moe-weight-prep: error: the bounded preparation exceeds "
-            f"--memory-limit {format_mib(args.memory_limit)}",
+            f"--memory-limit {format_mib(args.memory_limit)}{where}",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def _shard_of(rank: int, world_size: int, expert_parallel: bool) -> RankShard:
+    if expert_parallel:
+        return RankShard(ep_rank=rank, ep_size=world_size)
+    return RankShard(tp_rank=rank, tp_size=world_size)
+
+
+def _rank_job(rank: int, params: dict) -> dict:
+    """One worker of ``--tp N``: prepares its own shard of every layer (in
+    step with the other ranks) and returns its ``run_benchmark`` result."""
+    from vllm.distributed import get_tp_group
+
+    n = params["world_size"]
+    shard = _shard_of(rank, n, params["expert_parallel"])
+    device = torch.device("cuda", rank) if params["device"] == "cuda" else (
+        torch.device("cpu"))  # fmt: skip
+    preset, layer_tensors = params["preset"], None
+    if params["checkpoint"]:
+        preset, layer_tensors = _checkpoint_source(params["checkpoint"], shard, device)
+    return run_benchmark(
+        preset,
+        device=device,
+        shard=shard,
+        num_layers=params["num_layers"],
+        max_transient_bytes=params["max_transient_bytes"],
+        memory_limit=params["memory_limit"],
+        seed=params["seed"] + rank,
+        progress=params["progress"] and rank == 0,
+        layer_tensors=layer_tensors,
+        global_scale_mode=params["global_scale_mode"],
+        before_layer=get_tp_group().barrier,
+    )

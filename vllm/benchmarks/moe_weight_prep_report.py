@@ -12,6 +12,7 @@ __all__ = [
     "REPORTED_STEPS",
     "VARIANTS",
     "format_mib",
+    "format_ranks",
     "format_report",
     "write_plot",
 ]
@@ -62,7 +63,12 @@ def format_report(result: dict) -> str:
     lines = [
         f"model {result['model']} ({result['hf_id']}, {result['source']} weights), "
         f"device {result['device']}, "
-        f"TP {result['tp_size']}, {_layers(result['num_layers'], 'MoE layer')}, "
+        + (
+            f"rank {result['rank']} ({result['shard']}), "
+            if result["tp_size"] * result["ep_size"] > 1
+            else ""
+        )
+        + f"{_layers(result['num_layers'], 'MoE layer')}, "
         f"activation {result['activation']}"
         + (f", {n} busy core(s)" if (n := result.get("busy_cores")) else ""),
         f"per layer: w13 {result['shapes']['w13_weight']} + w2 "
@@ -142,6 +148,36 @@ def _precision_table(result: dict) -> str:
             f"{100 * counts['saturated'] / counts['total']:>10.2f}%"
             f"{100 * counts['zero'] / counts['total']:>8.2f}%"
         )
+    return "\n".join(lines)
+
+
+def format_ranks(results: list[dict]) -> str:
+    """One line per rank of a parallel run (its shard, resident bytes per
+    layer, peaks and summed times of both variants) and their maximum."""
+
+    def row(label, shard, resident, lp, bp, lt, bt):
+        return (f"{label:<6}{shard:<10}{format_mib(resident):>15}{format_mib(lp):>13}"
+                f"{format_mib(bp):>14}{_secs(lt):>13}{_secs(bt):>14}")  # fmt: skip
+
+    lines = [
+        f"per rank: {len(results)} processes, each preparing its own shard of "
+        "every layer, all at once",
+        f"{'rank':<6}{'shard':<10}{'resident/layer':>15}{'legacy peak':>13}"
+        f"{'bounded peak':>14}{'legacy time':>13}{'bounded time':>14}",
+    ]
+    cols = []
+    for r in results:
+        s = r["summary"]
+        vals = (r["resident_bytes_per_layer"],
+                s["legacy"]["total"]["max_transient_bytes"],
+                s["bounded"]["total"]["max_transient_bytes"],
+                s["legacy"]["total"]["total_time_s"],
+                s["bounded"]["total"]["total_time_s"])  # fmt: skip
+        cols.append(vals)
+        lines.append(row(str(r["rank"]), r["shard"], *vals))
+    maxima = [max((v for v in col if v is not None), default=None)
+              for col in zip(*cols, strict=True)]  # fmt: skip
+    lines.append(row("max", "", *maxima))
     return "\n".join(lines)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import queue as queue_mod
 import tempfile
 import time
 import traceback
@@ -27,6 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["WorkerError", "spawn_workers"]
+
+#: How long finished workers get to exit on their own before being stopped.
+_EXIT_GRACE_S = 30.0
 
 
 class WorkerError(RuntimeError):
@@ -38,7 +40,7 @@ class WorkerError(RuntimeError):
         self.rank, self.message, self.details = rank, message, details
 
 
-def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, results):
+def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, conn):
     # Runs in the child process.
     import datetime
 
@@ -51,11 +53,12 @@ def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, results
         )  # fmt: skip
         ps.initialize_model_parallel(world_size)
         value = fn(rank, *args)
-        results.put((rank, "ok", pickle.dumps(value)))
+        conn.send_bytes(pickle.dumps(("ok", value)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         message = f"{type(e).__name__}: {e}".splitlines()[0]
-        results.put((rank, "error", (message, traceback.format_exc())))
+        conn.send_bytes(pickle.dumps(("error", (message, traceback.format_exc()))))
     finally:
+        conn.close()
         # The group may be broken already (another rank failed).
         with contextlib.suppress(Exception):
             ps.destroy_distributed_environment()
@@ -68,22 +71,26 @@ def spawn_workers(
     *,
     backend: str | None = None,
     timeout_s: float = 600.0,
+    deadline_s: float | None = None,
 ) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each run in its own
     process inside a tensor-parallel group of ``world_size`` ranks.
 
     ``fn`` must be importable by name (a module-level function) and its
     arguments and result picklable. ``backend``: default gloo without CUDA,
-    NCCL with it. ``timeout_s`` bounds the whole run and each collective.
-    Raises :class:`WorkerError` for the first rank that fails (or dies, or
-    the timeout), after terminating every worker.
+    NCCL with it. ``timeout_s`` bounds each collective (a rank waiting for
+    one that hangs); ``deadline_s``, if given, the whole run. Raises
+    :class:`WorkerError` for the first rank that fails (or dies, or misses
+    the deadline), after terminating every worker.
     """
     import multiprocessing as mp
 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    # One pipe per worker (no queue: its locks are semaphores that the
+    # resource tracker would report as leaked when a worker is killed).
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     with tempfile.TemporaryDirectory(prefix="vllm-dist-") as tmp:
         init_method = "file://" + os.path.join(tmp, "store")
         procs = [
@@ -97,7 +104,7 @@ def spawn_workers(
                     backend,
                     timeout_s,
                     args,
-                    results,
+                    pipes[rank][1],
                 ),
                 daemon=True,
             )  # fmt: skip
@@ -105,36 +112,50 @@ def spawn_workers(
         ]
         for proc in procs:
             proc.start()
+        for _, send in pipes:
+            send.close()  # the parent only reads
+        ok = False
         try:
-            return _collect(procs, results, world_size, timeout_s)
+            values = _collect(procs, [recv for recv, _ in pipes], deadline_s)
+            ok = True
+            return values
         finally:
+            # After a success the workers are finishing on their own: let
+            # them (a killed one leaves its semaphores to the resource
+            # tracker); after a failure they may be blocked in a collective.
             for proc in procs:
+                if ok:
+                    proc.join(_EXIT_GRACE_S)
                 if proc.is_alive():
                     proc.terminate()
             for proc in procs:
                 proc.join(10)
+            for recv, _ in pipes:
+                recv.close()
 
 
-def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+def _collect(procs, conns, deadline_s: float | None) -> list[Any]:
+    from multiprocessing.connection import wait
+
+    world_size = len(procs)
     values: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    while len(values) < world_size:
-        try:
-            rank, status, payload = results.get(timeout=0.2)
-        except queue_mod.Empty:
-            for rank, proc in enumerate(procs):
-                if rank not in values and proc.exitcode not in (None, 0):
-                    raise WorkerError(
-                        rank, f"the worker died (exit code {proc.exitcode})"
-                    ) from None
-            if time.monotonic() > deadline:
-                waiting = sorted(set(range(world_size)) - set(values))
+    pending = dict(enumerate(conns))
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    while pending:
+        for conn in wait(list(pending.values()), timeout=0.2):
+            rank = next(r for r, c in pending.items() if c is conn)
+            del pending[rank]
+            try:
+                status, payload = pickle.loads(conn.recv_bytes())
+            except EOFError:  # closed without a word: the process died
+                procs[rank].join(1)
                 raise WorkerError(
-                    waiting[0], f"no result after {timeout_s:.0f} s"
+                    rank, f"the worker died (exit code {procs[rank].exitcode})"
                 ) from None
-            continue
-        if status == "error":
-            message, details = payload
-            raise WorkerError(rank, message, details)
-        values[rank] = pickle.loads(payload)
+            if status == "error":
+                message, details = payload
+                raise WorkerError(rank, message, details)
+            values[rank] = payload
+        if pending and deadline is not None and time.monotonic() > deadline:
+            raise WorkerError(min(pending), f"no result after {deadline_s:.0f} s")
     return [values[rank] for rank in range(world_size)]

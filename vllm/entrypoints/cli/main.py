@@ -14,6 +14,7 @@ import sys
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import vllm  # noqa: E402
+from vllm.distributed.launcher import WorkerError  # noqa: E402
 from vllm.entrypoints.cli.benchmark.main import add_bench_subparser  # noqa: E402
 
 __all__ = ["main"]
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         # Point stdout at /dev/null so the interpreter's final flush is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
+    except WorkerError as e:
+        # A rank of a parallel run failed; the others were stopped.
+        command = getattr(args, "command_parser", parser)
+        command.exit(1, f"{command.prog}: error: {e}\n")
     except (ValueError, OSError) as e:
         # One line, prefixed like argparse's own errors for the same command.
         command = getattr(args, "command_parser", parser)
