@@ -31,6 +31,7 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
 )
+from vllm.utils.argparse_utils import positive_int
 
 __all__ = ["random_bf16_experts", "write_nvfp4_moe_checkpoint"]
 
@@ -220,16 +221,6 @@ def _example_config(args) -> dict:
     }
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer",
@@ -252,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         ("--hidden-size", 1024, "H, a multiple of 16"),
         ("--intermediate-size", 256, "I per expert, a multiple of 16"),
     ):
-        parser.add_argument(flag, type=_positive_int, default=default,
+        parser.add_argument(flag, type=positive_int, default=default,
                             help=f"{what} (default %(default)s)")  # fmt: skip
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed (default %(default)s)"
