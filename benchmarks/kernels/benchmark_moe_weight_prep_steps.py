@@ -13,6 +13,12 @@ loaded as [w1; w3], so the reorder runs), per step:
            fold runs)
   legacy   the pre-change step (whole-tensor copies; it always folds)
 
+Then, on one thread and a quiet machine, the choices inside two steps against
+what they replaced (each checked for equal bytes): the swizzle's permutation
+on 4-byte words against the same call on bytes (a scale at an odd address,
+the fallback path), and the fold's lookup tables against the float32 fold
+through a buffer that preceded them.
+
 Medians of --repeats, each on a fresh layer. First on the machine as it is,
 then with --busy-cores processes each copying memory on one core (another
 worker preparing its shard), started for that measurement and stopped after
@@ -35,14 +41,22 @@ import time
 import torch
 
 from vllm.benchmarks.busy_cores import busy_cores
-from vllm.benchmarks.legacy_moe_prep import legacy_preparation_steps
+from vllm.benchmarks.legacy_moe_prep import (
+    float_chunk_fold_,
+    legacy_preparation_steps,
+)
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.benchmarks.moe_weight_prep import _check_equal, _make_layer
+from vllm.benchmarks.moe_weight_prep import RankShard, _check_equal, _make_layer
 from vllm.benchmarks.moe_weight_prep_report import format_speedup
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+    fold_global_scale_into_blockscale_,
     moe_prep_threads,
+    swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzled_blockscale_shape,
 )
 
 MIB = 1 << 20
@@ -74,8 +88,8 @@ def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
     times: dict[str, list[float]] = {s: [] for s in STEPS}
     device = torch.device("cpu")
     for _ in range(repeats):
-        layer = _make_layer(preset, 1, device, tensors, DEFAULT_MAX_TRANSIENT_BYTES,
-                            mode)  # fmt: skip
+        layer = _make_layer(preset, RankShard(), device, tensors,
+                            DEFAULT_MAX_TRANSIENT_BYTES, mode)  # fmt: skip
         steps = layer.quant_method.preparation_steps(layer)
         # As process_weights_after_loading runs them: one thread setting.
         with moe_prep_threads(device):
@@ -128,7 +142,7 @@ def _check(preset, tensors) -> None:
     for _, fn in legacy_preparation_steps(owned, preset.is_gated):
         fn()
     for mode in MODES:
-        layer = _make_layer(preset, 1, torch.device("cpu"), tensors,
+        layer = _make_layer(preset, RankShard(), torch.device("cpu"), tensors,
                             DEFAULT_MAX_TRANSIENT_BYTES, mode)  # fmt: skip
         layer.quant_method.process_weights_after_loading(layer)
         _check_equal(layer, owned, tensors, 0, mode)
@@ -149,6 +163,53 @@ def measure(preset, tensors, repeats: int, floors: dict[int, float]) -> dict:
         }
         for variant, times in rows.items()
     }
+
+
+def _swizzle_at(src: torch.Tensor, offset: int):
+    """A fresh copy of ``src`` [E, R, C] at byte ``offset`` of a storage with
+    room for its swizzled result, and the in-place swizzle of it."""
+    e, r, c = src.shape
+    rp, cp = swizzled_blockscale_shape(r, c)
+    storage = torch.zeros(offset + e * rp * cp, dtype=torch.uint8)
+    scale = storage[offset : offset + e * r * c].view(e, r, c)
+    scale.copy_(src.view(torch.uint8))
+    scale = scale.view(torch.float8_e4m3fn)
+    return lambda: swizzle_blockscale_bounded(scale, storage_has_room=True)
+
+
+def measure_alternatives(tensors: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each step's chosen method and the one it replaced,
+    on the layer's w13 + w2 scales, one thread; results compared first."""
+    scales = [tensors["w13_weight_scale"], tensors["w2_weight_scale"]]
+    factors = [tensors["w13_weight_scale_2"], tensors["w2_weight_scale_2"]]
+
+    def run(make) -> tuple[float, list[torch.Tensor]]:
+        times, out = [], None
+        for _ in range(repeats):
+            calls = make()  # fresh inputs, not timed
+            with moe_prep_threads("cpu"):
+                start = time.perf_counter()
+                out = [call() for call in calls]
+                times.append(time.perf_counter() - start)
+        return _median(times), [o.view(torch.uint8).clone() for o in out]
+
+    words_t, words = run(lambda: [_swizzle_at(s, 0) for s in scales])
+    bytes_t, by_bytes = run(lambda: [_swizzle_at(s, 1) for s in scales])
+
+    def folds(fn):
+        def make():
+            pairs = zip([s.clone() for s in scales], factors, strict=True)
+            return [lambda s=s, f=f: fn(s, f) for s, f in pairs]
+
+        return make
+
+    table_t, table = run(folds(fold_global_scale_into_blockscale_))
+    float_t, by_float = run(folds(float_chunk_fold_))
+    for name, a, b in (("swizzle", words, by_bytes), ("fold", table, by_float)):
+        if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+            raise RuntimeError(f"the two {name} methods give different bytes")
+    return {"swizzle_words_s": words_t, "swizzle_bytes_s": bytes_t,
+            "fold_table_s": table_t, "fold_float_s": float_t}  # fmt: skip
 
 
 def _cell(rec: dict) -> str:
@@ -231,6 +292,17 @@ def main() -> int:
             conditions[busy] = measure(preset, tensors, args.repeats, floors)
         label = "quiet" if busy == 0 else f"{busy} busy core(s)"
         print("\n" + format_condition(label, conditions[busy]))
+    alternatives = measure_alternatives(tensors, args.repeats)
+    a = alternatives
+    print(
+        "\nchoices inside the steps (w13 + w2 scales, one thread, quiet):\n"
+        f"  swizzle: 4-byte words {a['swizzle_words_s'] * 1e3:.1f} ms, bytes "
+        f"{a['swizzle_bytes_s'] * 1e3:.1f} ms "
+        f"({format_speedup(a['swizzle_bytes_s'], a['swizzle_words_s'])})\n"
+        f"  fold: lookup tables {a['fold_table_s'] * 1e3:.1f} ms, float32 through "
+        f"a buffer {a['fold_float_s'] * 1e3:.1f} ms "
+        f"({format_speedup(a['fold_float_s'], a['fold_table_s'])})"
+    )
     if args.busy_cores:
         for variant in ["alpha", "fold", "legacy"]:
             quiet = conditions[0][variant]["total"]["time_s"]
@@ -239,8 +311,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": header, "busy_cores": args.busy_cores,
-                       "conditions": {str(k): v for k, v in conditions.items()}},
-                      f, indent=1)  # fmt: skip
+                       "conditions": {str(k): v for k, v in conditions.items()},
+                       "alternatives": alternatives}, f, indent=1)  # fmt: skip
     return 0
 
 

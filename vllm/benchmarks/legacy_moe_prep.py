@@ -19,6 +19,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 
 __all__ = [
     "clone_chunk_reorder",
+    "float_chunk_fold_",
     "split_cat_halves",
     "legacy_fold",
     "legacy_preparation_steps",
@@ -97,6 +98,29 @@ def legacy_fold(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
     per_expert = scale_2.reshape(e, -1)[:, 0].view(e, 1, 1)
     folded = scale.float() * per_expert
     return folded.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def float_chunk_fold_(
+    scale: torch.Tensor, scale_2: torch.Tensor, chunk_bytes: int = 2 << 20
+) -> torch.Tensor:
+    """The first bounded fold (before the lookup tables), in place: whole
+    experts at a time through a float32 buffer of ``chunk_bytes``:
+    ``fp8(clamp(float(scale) * scale_2))``, ``scale_2`` [E] or [E, G] (G row
+    groups). Assumes one expert's float32 copy fits the buffer."""
+    e, r, c = scale.shape
+    groups = scale_2.reshape(e, -1).shape[1]
+    segs = scale.view(e, groups, (r // groups) * c)
+    factors = scale_2.reshape(e, groups, 1).float()
+    per = max(1, chunk_bytes // (4 * r * c))
+    buf = torch.empty(per * r * c, dtype=torch.float32, device=scale.device)
+    for first in range(0, e, per):
+        src = segs[first : first + per]
+        tmp = buf[: src.numel()].view(src.shape)
+        tmp.copy_(src)  # FP8 -> float32: most of this fold's time
+        tmp.mul_(factors[first : first + per])
+        tmp.clamp_(-448.0, 448.0)
+        src.copy_(tmp)
+    return scale
 
 
 def legacy_preparation_steps(
