@@ -256,6 +256,11 @@ def main() -> int:
         "measurement (0: quiet only)",
     )  # fmt: skip
     parser.add_argument(
+        "--busy-threads", type=int, default=1,
+        help="intra-op threads of each busy process (default 1; 2 on a 2-core "
+        "machine makes a neighbour that runs parallel operations itself)",
+    )  # fmt: skip
+    parser.add_argument(
         "--threads", type=int, default=None,
         help="torch intra-op threads for the whole run (default: torch's)",
     )  # fmt: skip
@@ -288,9 +293,13 @@ def main() -> int:
                           args.repeats)  # fmt: skip
     conditions = {}
     for busy in sorted({0, args.busy_cores}):
-        with busy_cores(busy):
+        with busy_cores(busy, args.busy_threads):
             conditions[busy] = measure(preset, tensors, args.repeats, floors)
-        label = "quiet" if busy == 0 else f"{busy} busy core(s)"
+        label = (
+            "quiet"
+            if busy == 0
+            else (f"{busy} busy process(es) on {args.busy_threads} thread(s) each")
+        )
         print("\n" + format_condition(label, conditions[busy]))
     alternatives = measure_alternatives(tensors, args.repeats)
     a = alternatives

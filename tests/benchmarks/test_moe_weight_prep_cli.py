@@ -202,7 +202,7 @@ def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, caps
     assert "x faster)" in text or "x slower)" in text
 
 
-def test_busy_cores_start_and_stop(capsys):
+def test_busy_cores_start_and_stop():
     import multiprocessing
 
     from vllm.benchmarks.busy_cores import busy_cores

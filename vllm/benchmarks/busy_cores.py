@@ -4,10 +4,11 @@
 
 A real start-up prepares weights in several worker processes at once, so the
 preparation rarely has the machine to itself. ``busy_cores(n)`` starts ``n``
-processes, each a torch process on one intra-op thread that copies 32 MiB
-buffers in 1 MiB chunks forever (memory traffic and a busy core, like another
-worker preparing its shard), waits until every one is running, and stops
-them all when the block exits (also on an exception or Ctrl-C).
+processes, each a torch process on one intra-op thread (``threads`` to
+change it) that copies 32 MiB buffers in 1 MiB chunks forever (memory
+traffic and a busy core, like another worker preparing its shard), waits
+until every one is running, and stops them all when the block exits (also
+on an exception or Ctrl-C).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ __all__ = ["busy_cores"]
 _START_TIMEOUT_S = 120.0
 
 
-def _copy_forever(ready) -> None:  # runs in the child process
+def _copy_forever(ready, threads: int) -> None:  # runs in the child process
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     src = torch.ones(32 << 20, dtype=torch.uint8)
     dst = torch.empty_like(src)
     ready.set()
@@ -35,8 +36,11 @@ def _copy_forever(ready) -> None:  # runs in the child process
 
 
 @contextlib.contextmanager
-def busy_cores(n: int) -> Iterator[int]:
-    """Keep ``n`` cores busy while the block runs; yields ``n``.
+def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
+    """Keep ``n`` cores busy while the block runs; yields ``n``. Each busy
+    process copies on ``threads`` intra-op threads (2 on a 2-core machine:
+    a neighbour that itself runs parallel operations, the worst case for
+    code that does too).
 
     ``n == 0`` starts nothing. Processes are spawned (not forked: the parent
     may already run OpenMP threads) as daemons, so they cannot outlive this
@@ -52,7 +56,8 @@ def busy_cores(n: int) -> Iterator[int]:
     try:
         for _ in range(n):
             ready = ctx.Event()
-            proc = ctx.Process(target=_copy_forever, args=(ready,), daemon=True)
+            proc = ctx.Process(target=_copy_forever, args=(ready, threads),
+                               daemon=True)  # fmt: skip
             proc.start()
             procs.append((proc, ready))
         for _, ready in procs:

@@ -177,9 +177,9 @@ def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
     chunks, and every parallel operation waits for its slowest thread. When
     another process holds a core, that wait (a scheduler time slice) dwarfs
     the work: at the Qwen3.6-35B-A3B layer shape, with a torch process
-    copying on the other core, the reorder took 525 ms on two threads and
-    23 ms on one; on a quiet machine one thread costs about 1.4x (see the
-    design page, "Threads"). The previous setting is restored on exit;
+    copying on 2 threads beside it, the reorder took 87 ms on two threads
+    and 47 ms on one; on a quiet machine one thread costs about 1.4x (see
+    the design page, "Threads"). The previous setting is restored on exit;
     nested uses change nothing. The setting is process-wide while it lasts.
     """
     n = envs.VLLM_MOE_PREP_CPU_THREADS
