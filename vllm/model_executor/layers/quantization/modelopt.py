@@ -29,7 +29,13 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     NVFP4_BLOCK_SIZE,
 )
 
-__all__ = ["ModelOptNvFp4Config", "ModelOptNvFp4FusedMoE"]
+__all__ = ["NVFP4_QUANT_MODES", "ModelOptNvFp4Config", "ModelOptNvFp4FusedMoE"]
+
+#: Activation modes of an NVFP4 MoE layer, named as FlashInfer's ``quant_mode``:
+#: ``"w4a4"`` quantizes activations to NVFP4 too (ModelOpt ``NVFP4``);
+#: ``"w4a16"`` keeps them BF16, weights only (ModelOpt ``W4A16_NVFP4``,
+#: compressed-tensors NVFP4 with ``input_activations: null``).
+NVFP4_QUANT_MODES = ("w4a4", "w4a16")
 
 
 class ModelOptNvFp4Config:
@@ -37,18 +43,31 @@ class ModelOptNvFp4Config:
 
     Weights are packed E2M1 with FP8 block scales over 16 elements and a
     float32 ``weight_scale_2`` (dequantization direction) per tensor; for
-    MoE layers, per expert and per projection.
+    MoE layers, per expert and per projection. ``quant_mode`` is one of
+    :data:`NVFP4_QUANT_MODES`: ``"w4a16"`` for weight-only checkpoints.
     """
 
     def __init__(
         self,
         group_size: int = NVFP4_BLOCK_SIZE,
         exclude_modules: list[str] | None = None,
+        quant_mode: str = "w4a4",
     ):
         if group_size != NVFP4_BLOCK_SIZE:
             raise ValueError(f"NVFP4 group_size must be 16, got {group_size}")
+        if quant_mode not in NVFP4_QUANT_MODES:
+            raise ValueError(
+                f"NVFP4 quant_mode must be one of {NVFP4_QUANT_MODES}, "
+                f"got {quant_mode!r}"
+            )
         self.group_size = group_size
         self.exclude_modules = list(exclude_modules or [])
+        self.quant_mode = quant_mode
+
+    @property
+    def is_weight_only(self) -> bool:
+        """True for W4A16: BF16 activations, NVFP4 weights."""
+        return self.quant_mode == "w4a16"
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str = ""):
         from vllm.model_executor.layers.fused_moe.layer import FusedMoE
