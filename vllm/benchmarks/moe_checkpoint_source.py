@@ -10,24 +10,48 @@ from vllm.benchmarks.moe_model_presets import MoEModelPreset
 from vllm.benchmarks.moe_weight_prep_ranks import RankShard
 
 __all__ = [
+    "checkpoint_quant_modes",
     "checkpoint_source",
 ]
 
 
-def checkpoint_source(path: str, shard: RankShard, device: torch.device):
-    """A preset describing the checkpoint's MoE geometry, and a function that
-    loads ``shard`` of its i-th MoE layer."""
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+def checkpoint_quant_modes(path: str) -> dict[int, str]:
+    """MoE layer index -> ``"w4a4"`` or ``"w4a16"``, as the checkpoint at
+    ``path`` declares them."""
     from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
         NVFP4MoECheckpoint,
     )
 
     ckpt = NVFP4MoECheckpoint(path)
+    return {i: ckpt.quant_mode(i) for i in ckpt.moe_layers}
+
+
+def checkpoint_source(
+    path: str, shard: RankShard, device: torch.device, quant: str = "w4a4"
+):
+    """A preset describing the checkpoint's MoE geometry, and a function that
+    loads ``shard`` of its i-th MoE layer of mode ``quant`` (``"w4a4"`` or
+    ``"w4a16"``: a mixed checkpoint's layers of the other mode are left out),
+    into a layer built with the config the checkpoint declares for it; its
+    parameters by name, checkpoint layout. ValueError when the checkpoint
+    has no MoE layer of that mode."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
+        NVFP4MoECheckpoint,
+    )
+
+    ckpt = NVFP4MoECheckpoint(path)
+    layers = [i for i in ckpt.moe_layers if ckpt.quant_mode(i) == quant]
+    if not layers:
+        found = sorted({ckpt.quant_mode(i) for i in ckpt.moe_layers})
+        raise ValueError(
+            f"{ckpt.model_dir}: no {quant} MoE layers (its MoE layers are "
+            f"{' and '.join(found)}): pass --quant {found[0]}"
+        )
     preset = MoEModelPreset(
         name=ckpt.model_dir.name,
         hf_id=f"{ckpt.model_dir} ({ckpt.format})",
-        num_moe_layers=len(ckpt.moe_layers),
+        num_moe_layers=len(layers),
         hidden_size=ckpt.hidden_size,
         num_experts=ckpt.num_experts,
         top_k=ckpt.top_k,
@@ -41,12 +65,12 @@ def checkpoint_source(path: str, shard: RankShard, device: torch.device):
             num_experts=preset.num_experts, top_k=preset.top_k,
             hidden_size=preset.hidden_size,
             intermediate_size=preset.intermediate_size,
-            activation=preset.activation, quant_config=ModelOptNvFp4Config(),
+            activation=preset.activation, quant_config=ckpt.quant_config(layers[i]),
             moe_backend="flashinfer_b12x_emulated", device=device,
             **shard.layer_kwargs(), place_w3w1_at_load=False,
         )  # fmt: skip
         # No bar per tensor: the job's bar counts layers already.
-        ckpt.load_layer(layer, ckpt.moe_layers[i])
+        ckpt.load_layer(layer, layers[i])
         return {n: p.data for n, p in layer.named_parameters()}
 
     return preset, layer_tensors

@@ -37,6 +37,11 @@ import torch
 from vllm.benchmarks.busy_cores import busy_cores
 from vllm.benchmarks.moe_checkpoint_source import checkpoint_source
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
+from vllm.benchmarks.moe_w4a16_cli import (
+    add_quant_arg,
+    resolve_quant,
+    run_w4a16_command,
+)
 from vllm.benchmarks.moe_weight_prep_ranks import run_ranks, shard_of
 from vllm.benchmarks.moe_weight_prep_report import (
     format_mib,
@@ -115,6 +120,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="the kernel whose weight preparation is measured (its preparation "
         "runs on any device; the kernel itself is not called)",
     )
+    add_quant_arg(parser)
     parser.add_argument(
         "--global-scale-mode",
         default="alpha",
@@ -251,6 +257,8 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--tp {n} on CUDA needs {n} devices, found {torch.cuda.device_count()}"
         )
+    if resolve_quant(args) == "w4a16":
+        return run_w4a16_command(args, device)
     rank0 = shard_of(0, n, args.enable_expert_parallel)
     layer_tensors = None
     if args.checkpoint:

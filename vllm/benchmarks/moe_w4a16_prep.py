@@ -1,0 +1,350 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""``vllm bench moe-weight-prep --quant w4a16``: W4A16 (weight-only NVFP4)
+expert preparation for FlashInfer's b12x kernel, FlashInfer's way beside
+this tree's, per layer and for the model.
+
+For every MoE layer (synthetic of a preset's shapes, or a checkpoint's
+W4A16 layers), each variant on its own copy of the layer::
+
+    flashinfer-public    a full packed copy beside the source, kept
+      (model)            (FlashInfer's public path, made with this package's
+                         whole-tensor reference; always runs)
+    flashinfer-public    FlashInfer's own prepare function, reuse_input_
+                         storage=False   } where flashinfer is importable
+    flashinfer-inplace   the same, reuse_input_storage=True (private mode) }
+    bounded              this tree: FusedMoE(quant_mode="w4a16")'s
+                         process_weights_after_loading, in place, under the cap
+    -> check: every variant gives the bytes of the first
+
+Each variant is timed on every layer and metered once per distinct shape
+(:func:`vllm.utils.mem_utils.measure_peak_memory`; the CPU meter slows code
+down): its *peak* above the layer's resident tensors and what it *keeps*
+beside them afterwards. The model figures add the layers up: time and kept
+bytes summed, and the model peak is what the earlier layers keep plus the
+largest peak of one layer (a kept copy stays while its source lives). A
+memcpy of the layer's bytes is timed beside them (the floor), and the
+bounded result's precision is reported against the checkpoint.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from vllm.benchmarks.flashinfer_w4a16_prep import (
+    PACKED_FIELDS,
+    flashinfer_w4a16_prepare,
+    flashinfer_w4a16_unavailable_reason,
+    public_copy_reference,
+)
+from vllm.benchmarks.moe_model_presets import MoEModelPreset
+from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    dequantize_nvfp4,
+    swizzle_blockscale,
+    w4a16_alpha,
+    w4a16_dequantize,
+)
+from vllm.utils.mem_utils import measure_peak_memory
+
+__all__ = [
+    "W4A16_VARIANTS",
+    "run_w4a16_benchmark",
+    "w4a16_precision",
+]
+
+MIB = 1 << 20
+#: Variant -> what it is (the report's labels).
+W4A16_VARIANTS = {
+    "flashinfer-public-model": "FlashInfer public path (full copy; reference)",
+    "flashinfer-public": "FlashInfer 0.7.4 public (reuse_input_storage=False)",
+    "flashinfer-inplace": "FlashInfer 0.7.4 in place (reuse_input_storage=True)",
+    "bounded": "this tree, bounded in place",
+}
+
+
+def _w4a16_layer(preset: MoEModelPreset, device, tensors, cap: int):
+    """A W4A16 FusedMoE layer (emulated b12x: the kernel backend's own
+    preparation) holding a copy of ``tensors`` (checkpoint layout)."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    layer = FusedMoE(
+        num_experts=preset.num_experts, top_k=preset.top_k,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size, activation=preset.activation,
+        quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+        moe_backend="flashinfer_b12x_emulated", device=device,
+        place_w3w1_at_load=False, experts_kwargs={"max_transient_bytes": cap},
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, value in tensors.items():
+            param = getattr(layer, name, None)
+            if param is not None:
+                param.copy_(value)
+    return layer
+
+
+def _flashinfer_inputs(tensors: dict) -> dict[str, torch.Tensor]:
+    """The layer's tensors as FlashInfer's W4A16 API takes them (copies):
+    swizzled block scales, one global scale per expert and weight (w1's for
+    w13; gate and up share it in ModelOpt exports)."""
+    e = tensors["w13_weight"].shape[0]
+    return {
+        "w13": tensors["w13_weight"].clone(),
+        "w13_scale_swizzled": swizzle_blockscale(tensors["w13_weight_scale"]),
+        "w13_global": tensors["w13_weight_scale_2"].reshape(e, -1)[:, 0].clone(),
+        "w2": tensors["w2_weight"].clone(),
+        "w2_scale_swizzled": swizzle_blockscale(tensors["w2_weight_scale"]),
+        "w2_global": tensors["w2_weight_scale_2"].reshape(e).clone(),
+    }
+
+
+def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
+    """Variant -> ``run(tensors) -> (prepare, result)``: ``prepare()`` is
+    what is timed and metered; ``result()`` its packed tensors by
+    :data:`PACKED_FIELDS` name, read after it."""
+    gated = preset.is_gated
+
+    def public_model(tensors):
+        args, out = _flashinfer_inputs(tensors), {}
+        return (lambda: out.update(public_copy_reference(**args, gated=gated)),
+                lambda: out)  # fmt: skip
+
+    def flashinfer_fn(reuse: bool):
+        def run(tensors):
+            args, out = _flashinfer_inputs(tensors), {}
+
+            def prepare():
+                out.update(
+                    flashinfer_w4a16_prepare(**args, gated=gated,
+                                             reuse_input_storage=reuse)
+                )  # fmt: skip
+
+            return prepare, lambda: out
+
+        return run
+
+    def bounded(tensors):
+        layer = _w4a16_layer(preset, device, tensors, cap)
+
+        def prepare():
+            with moe_prep_threads(device):
+                layer.quant_method.process_weights_after_loading(layer)
+
+        def result():
+            pw = layer.quant_method.experts.packed_weights
+            return {name: getattr(pw, name) for name in PACKED_FIELDS} | {
+                "_layer": layer
+            }
+
+        return prepare, result
+
+    out = {"flashinfer-public-model": public_model}
+    if flashinfer:
+        out["flashinfer-public"] = flashinfer_fn(False)
+        out["flashinfer-inplace"] = flashinfer_fn(True)
+    out["bounded"] = bounded
+    return out
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(a.shape) == tuple(b.shape) and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+def _memcpy_time(tensors: dict, device: torch.device) -> float:
+    """Seconds to copy the layer's weights and block scales once (the floor
+    of any preparation that moves every byte)."""
+    names = ("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale")
+    srcs = [tensors[n].view(torch.uint8) for n in names]
+    dsts = [torch.empty_like(s) for s in srcs]
+    for d, s in zip(dsts, srcs, strict=True):  # touch the pages first
+        d.copy_(s)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for d, s in zip(dsts, srcs, strict=True):
+        d.copy_(s)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def w4a16_precision(packed: dict, tensors: dict, experts: list[int]) -> dict:
+    """The packed weights decoded as the kernel reads them (codes times
+    block scale values, times the per-expert alpha) against the checkpoint's
+    own decode (``e2m1 * block_scale * scale_2``), for ``experts``.
+
+    Returns ``rel_rms`` (0.0: exact) and ``flushed``: block scales nonzero in
+    the checkpoint that the W4A16 re-encoding flushed to 0 (under 2^-6 after
+    the power-of-two factor), with ``total`` block scales, over ``experts``.
+    """
+    err = ref = 0.0
+    flushed = total = 0
+    for e in experts:
+        for prefix in ("w13", "w2"):
+            packed_w = packed[prefix][e : e + 1].cpu()
+            packed_s = packed[f"{prefix}_scale"][e : e + 1].cpu()
+            alpha = w4a16_alpha(packed[f"{prefix}_global_scale"][e].cpu())
+            got = w4a16_dequantize(packed_w, packed_s)[0] * alpha
+            w = tensors[f"{prefix}_weight"][e].cpu()
+            s = tensors[f"{prefix}_weight_scale"][e].cpu()
+            s2 = tensors[f"{prefix}_weight_scale_2"].cpu()
+            s2 = s2.reshape(tensors[f"{prefix}_weight"].shape[0], -1)[e]
+            groups = s2.numel()
+            rows = w.shape[0] // groups
+            want = torch.cat([
+                dequantize_nvfp4(w[g * rows:(g + 1) * rows],
+                                 s[g * rows:(g + 1) * rows], 1.0) * s2[g]
+                for g in range(groups)
+            ])  # fmt: skip
+            err += float((got - want).square().sum())
+            ref += float(want.square().sum())
+            nonzero = s.view(torch.uint8) & 0x7F != 0
+            zero_now = packed_s.view(torch.uint8) == 0
+            flushed += int(zero_now.sum()) - int((~nonzero).sum())
+            total += s.numel()
+    return {
+        "experts": experts,
+        "rel_rms": (err / ref) ** 0.5 if ref else 0.0,
+        "flushed": flushed,
+        "total": total,
+    }
+
+
+def run_w4a16_benchmark(
+    preset: MoEModelPreset,
+    *,
+    device: torch.device,
+    num_layers: int | None = None,
+    max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    seed: int = 0,
+    progress: bool = True,
+    layer_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None,
+    flashinfer: bool | None = None,
+) -> dict:
+    """Prepare ``num_layers`` W4A16 layers of ``preset`` every way.
+
+    ``layer_tensors(i)``, if given, returns the i-th layer's parameters
+    (checkpoint layout, ModelOpt scale direction), e.g. from a checkpoint's
+    W4A16 layers; otherwise the layers are synthetic. ``flashinfer``: run
+    FlashInfer's own functions (default: where importable).
+
+    Returns a JSON-serializable dict (configuration, per layer and variant
+    time/peak/kept, the summary per variant and for the model, the memcpy
+    floor, precision, ``flashinfer_skipped``: why FlashInfer's own functions
+    did not run, or None). RuntimeError if two variants differ in bytes.
+    """
+    layers = preset.num_moe_layers if num_layers is None else num_layers
+    if not 1 <= layers <= preset.num_moe_layers:
+        raise ValueError(
+            f"--num-layers must be in [1, {preset.num_moe_layers}] for "
+            f"{preset.name}, got {layers}"
+        )
+    why_not = flashinfer_w4a16_unavailable_reason()
+    if flashinfer is None:
+        flashinfer = why_not is None
+    elif flashinfer and why_not is not None:
+        raise ValueError(f"FlashInfer's W4A16 preparation cannot run: {why_not}")
+    variants = _variants(preset, device, max_transient_bytes, flashinfer)
+    per_layer: list[dict] = []
+    metered: dict[tuple, dict[str, tuple[int, int]]] = {}
+    precision = None
+    memcpy: list[float] = []
+    resident = 0
+    synthetic = None
+    with measure_peak_memory(device):  # the profiler's first start is slow
+        pass
+    for idx in tqdm(range(layers), desc=f"{preset.name} w4a16", unit="layer",
+                    disable=not progress):  # fmt: skip
+        if layer_tensors is None:
+            if synthetic is None:
+                synthetic = synthetic_layer_tensors(preset, 1, device, seed)
+            tensors = synthetic
+        else:
+            tensors = layer_tensors(idx)
+        resident = sum(t.numel() * t.element_size() for t in tensors.values())
+        shape_key = tuple((k, tuple(v.shape)) for k, v in tensors.items())
+        check = layer_tensors is not None or idx == 0
+        row: dict[str, dict] = {}
+        reference = None
+        for name, make in variants.items():
+            prepare, result = make(tensors)
+            start = time.perf_counter()
+            prepare()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            row[name] = {"time_s": time.perf_counter() - start}
+            out = result()
+            if check:
+                if reference is None:
+                    reference = (name, out)
+                else:
+                    for field in PACKED_FIELDS:
+                        if not _same_bytes(out[field], reference[1][field]):
+                            raise RuntimeError(
+                                f"layer {idx}: {name} differs from {reference[0]} "
+                                f"in {field}"
+                            )
+            if name == "bounded" and idx == 0:
+                e = preset.num_experts
+                precision = w4a16_precision(out, tensors, sorted({0, e // 2, e - 1}))
+            del out, prepare, result
+        del reference
+        if shape_key not in metered:
+            metered[shape_key] = {}
+            for name, make in variants.items():
+                prepare, result = make(tensors)
+                with measure_peak_memory(device) as mem:
+                    prepare()
+                metered[shape_key][name] = (mem.peak_bytes, mem.net_bytes)
+                del prepare, result
+        for name in variants:
+            peak, kept = metered[shape_key][name]
+            row[name].update(peak_bytes=peak, kept_bytes=max(0, kept))
+        memcpy.append(_memcpy_time(tensors, device))
+        per_layer.append(row)
+        del tensors
+    summary = {}
+    for name in variants:
+        rows = [r[name] for r in per_layer]
+        times = [r["time_s"] for r in rows]
+        kept = [r["kept_bytes"] for r in rows]
+        peaks = [r["peak_bytes"] for r in rows]
+        summary[name] = {
+            "median_time_per_layer_s": statistics.median(times),
+            "peak_per_layer_bytes": max(peaks),
+            "kept_per_layer_bytes": max(kept),
+            "model_time_s": sum(times),
+            "model_kept_bytes": sum(kept),
+            "model_peak_bytes": max(sum(kept[:i]) + peaks[i] for i in range(len(rows))),
+        }
+    return {
+        "quant": "w4a16",
+        "model": preset.name,
+        "hf_id": preset.hf_id,
+        "source": "synthetic" if layer_tensors is None else "checkpoint",
+        "device": str(device),
+        "torch": torch.__version__,
+        "num_layers": layers,
+        "activation": preset.activation,
+        "max_transient_bytes": max_transient_bytes,
+        "resident_bytes_per_layer": resident,
+        "flashinfer_skipped": None if flashinfer else why_not or "not requested",
+        "memcpy_median_time_per_layer_s": statistics.median(memcpy),
+        "memcpy_model_time_s": sum(memcpy),
+        "precision": precision,
+        "summary": summary,
+        "layers": per_layer,
+    }
