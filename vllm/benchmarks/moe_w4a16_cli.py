@@ -120,6 +120,10 @@ def run_w4a16_command(args: argparse.Namespace, device: torch.device) -> int:
     return 0
 
 
+def _secs(t: float | None, digits: int) -> str:
+    return "-" if t is None else f"{t:.{digits}f} s"
+
+
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / MIB:,.1f} MiB"
 
@@ -143,9 +147,9 @@ def format_w4a16_report(result: dict) -> str:
         lines.append(
             f"{name:<25}{_mib(s['peak_per_layer_bytes']):>12}"
             f"{_mib(s['kept_per_layer_bytes']):>12}"
-            f"{s['median_time_per_layer_s']:>10.3f} s"
+            f"{_secs(s['median_time_per_layer_s'], 3):>12}"
             f"{_mib(s['model_peak_bytes']):>13}{_mib(s['model_kept_bytes']):>13}"
-            f"{s['model_time_s']:>10.2f} s"
+            f"{_secs(s['model_time_s'], 2):>12}"
         )
     lines.append(
         f"{'memcpy of the layer':<25}{'':>24}"

@@ -57,15 +57,21 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 from vllm.utils.mem_utils import measure_peak_memory
 
 __all__ = [
+    "UNTIMED_VARIANTS",
     "W4A16_VARIANTS",
     "run_w4a16_benchmark",
     "w4a16_precision",
 ]
 
 MIB = 1 << 20
+#: Variants run for their memory and bytes only, never timed: the modelled
+#: public path runs the package's reference, written to be read, not to be
+#: fast (FlashInfer's own functions give the public path's time).
+UNTIMED_VARIANTS = frozenset({"flashinfer-public-model"})
 #: Variant -> what it is (the report's labels).
 W4A16_VARIANTS = {
-    "flashinfer-public-model": "FlashInfer public path (full copy; reference)",
+    "flashinfer-public-model": "FlashInfer's public path as memory: a full packed "
+    "copy kept, made with this package's reference (not timed)",
     "flashinfer-public": "FlashInfer 0.7.4 public (reuse_input_storage=False)",
     "flashinfer-inplace": "FlashInfer 0.7.4 in place (reuse_input_storage=True)",
     "bounded": "this tree, bounded in place",
@@ -277,41 +283,51 @@ def run_w4a16_benchmark(
         resident = sum(t.numel() * t.element_size() for t in tensors.values())
         shape_key = tuple((k, tuple(v.shape)) for k, v in tensors.items())
         check = layer_tensors is not None or idx == 0
+        new_shape = shape_key not in metered
+        sizes = metered.setdefault(shape_key, {})
         row: dict[str, dict] = {}
         reference = None
         for name, make in variants.items():
+            timed = name not in UNTIMED_VARIANTS
+            row[name] = {"time_s": None}
+            if not (timed or new_shape or check):
+                continue
             prepare, result = make(tensors)
-            start = time.perf_counter()
-            prepare()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            row[name] = {"time_s": time.perf_counter() - start}
+            if timed:
+                start = time.perf_counter()
+                prepare()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                row[name]["time_s"] = time.perf_counter() - start
+            elif new_shape:
+                with measure_peak_memory(device) as mem:
+                    prepare()
+                sizes[name] = (mem.peak_bytes, mem.net_bytes)
+            else:
+                prepare()
             out = result()
-            if check:
-                if reference is None:
-                    reference = (name, out)
-                else:
-                    for field in PACKED_FIELDS:
-                        if not _same_bytes(out[field], reference[1][field]):
-                            raise RuntimeError(
-                                f"layer {idx}: {name} differs from {reference[0]} "
-                                f"in {field}"
-                            )
+            if check and reference is None:
+                reference = (name, out)
+            elif check:
+                for field in PACKED_FIELDS:
+                    if not _same_bytes(out[field], reference[1][field]):
+                        raise RuntimeError(
+                            f"layer {idx}: {name} differs from {reference[0]} in "
+                            f"{field}"
+                        )
             if name == "bounded" and idx == 0:
                 e = preset.num_experts
                 precision = w4a16_precision(out, tensors, sorted({0, e // 2, e - 1}))
             del out, prepare, result
-        del reference
-        if shape_key not in metered:
-            metered[shape_key] = {}
-            for name, make in variants.items():
+            if timed and new_shape:  # metered on a fresh copy
                 prepare, result = make(tensors)
                 with measure_peak_memory(device) as mem:
                     prepare()
-                metered[shape_key][name] = (mem.peak_bytes, mem.net_bytes)
+                sizes[name] = (mem.peak_bytes, mem.net_bytes)
                 del prepare, result
+        del reference
         for name in variants:
-            peak, kept = metered[shape_key][name]
+            peak, kept = sizes[name]
             row[name].update(peak_bytes=peak, kept_bytes=max(0, kept))
         memcpy.append(_memcpy_time(tensors, device))
         per_layer.append(row)
@@ -319,14 +335,14 @@ def run_w4a16_benchmark(
     summary = {}
     for name in variants:
         rows = [r[name] for r in per_layer]
-        times = [r["time_s"] for r in rows]
+        times = [r["time_s"] for r in rows if r["time_s"] is not None]
         kept = [r["kept_bytes"] for r in rows]
         peaks = [r["peak_bytes"] for r in rows]
         summary[name] = {
-            "median_time_per_layer_s": statistics.median(times),
+            "median_time_per_layer_s": statistics.median(times) if times else None,
             "peak_per_layer_bytes": max(peaks),
             "kept_per_layer_bytes": max(kept),
-            "model_time_s": sum(times),
+            "model_time_s": sum(times) if times else None,
             "model_kept_bytes": sum(kept),
             "model_peak_bytes": max(sum(kept[:i]) + peaks[i] for i in range(len(rows))),
         }
