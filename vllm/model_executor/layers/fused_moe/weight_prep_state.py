@@ -57,6 +57,9 @@ class MoEWeightPrepState:
         versions: parameter name -> ``tensor._version`` when the
             preparation finished; a change means the parameters were written
             outside ``weight_loader`` (see :meth:`check_unchanged`).
+        values: small facts a preparation records for its later steps and
+            for the way back (e.g. W4A16's scale exponents, taken before the
+            scales are rewritten), by the experts' own keys.
     """
 
     status: PrepStatus = PrepStatus.LOADING
@@ -64,6 +67,7 @@ class MoEWeightPrepState:
     progress: dict[str, ChunkProgress] = field(default_factory=dict)
     padded_storage: dict[str, tuple[int, int]] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)
+    values: dict[str, object] = field(default_factory=dict)
 
     def begin(self, status: PrepStatus) -> None:
         """Enter PREPARING or RESTORING from the opposite resting state."""
