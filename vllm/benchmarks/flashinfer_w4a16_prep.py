@@ -9,8 +9,9 @@ of the layer and keeps it, cached while the source tensors live: per layer
 the packed weights and scales are as large as the source, beside it.
 
 Two baselines, both taking the layer's tensors in the layout FlashInfer's
-API takes (checkpoint-order [w1; w3] weights, 128x4-swizzled block scales,
-one float32 global scale per expert and weight):
+API takes (128x4-swizzled block scales, one float32 global scale per expert
+and weight), w13 in checkpoint order [w1; w3] = [gate; up], which is the
+kernel's own (FlashInfer's ``w13_layout="gate_up"``, no row rotation):
 
 * :func:`public_copy_reference`: that public path's memory behaviour, made
   with this package's whole-tensor reference
@@ -85,11 +86,12 @@ def public_copy_reference(
     """FlashInfer's public W4A16 preparation, as memory: a full packed copy.
 
     Args:
-        w13: uint8 [E, 2I or I, H/2], [w1; w3] (checkpoint order).
+        w13: uint8 [E, 2I or I, H/2], [w1; w3] = [gate; up] (checkpoint
+            order, the kernel's).
         w13_scale_swizzled, w2_scale_swizzled: float8_e4m3fn, 128x4-swizzled
             ([E, rows padded to 128, K/16 padded to 4]).
         w13_global, w2_global: float32 [E], ModelOpt direction (scale_2).
-        gated: w13 is [gate; up] (the kernel's order after the row rotation).
+        gated: silu (w13 holds gate and up) or relu2.
 
     Returns NEW tensors (the inputs are untouched), FlashInfer's W4A16 layout:
     ``w13`` int32 [E, H/16, (rows/64)*128], ``w13_scale`` [E, H/16, rows],
@@ -101,7 +103,9 @@ def public_copy_reference(
     """
     e, h, i = _check_inputs(w13, w2)
     rows = w13.shape[1]
-    rotate = i if gated else 0
+    if rows != (2 * i if gated else i):
+        raise ValueError(f"w13: {rows} rows for I = {i}, gated={gated}")
+    rotate = 0  # [gate; up] is the kernel's order
     s13 = unswizzle_blockscale(w13_scale_swizzled, rows, h // 16)
     s2 = unswizzle_blockscale(w2_scale_swizzled, h, i // 16)
     out = {}
@@ -166,10 +170,13 @@ def flashinfer_w4a16_prepare(
     *,
     gated: bool,
     reuse_input_storage: bool = False,
+    w13_layout: str = "gate_up",
 ) -> dict[str, torch.Tensor]:
     """FlashInfer's ``prepare_w4a16_modelopt_nvfp4_weights`` on the same
-    arguments as :func:`public_copy_reference` (``w13_layout="w13"``, BF16
-    activations); its result's :data:`PACKED_FIELDS`. With
+    arguments as :func:`public_copy_reference` (BF16 activations); its
+    result's :data:`PACKED_FIELDS`. ``w13_layout``: FlashInfer's name for
+    the order of w13's halves ("gate_up": [w1; w3], the default; "up_gate":
+    [w3; w1], which FlashInfer rotates by I). With
     ``reuse_input_storage`` FlashInfer repacks ``w13`` / ``w2`` in their own
     storage (they are modified). RuntimeError with the reason where FlashInfer
     cannot run."""
@@ -181,6 +188,6 @@ def flashinfer_w4a16_prepare(
         packed = fn(
             w13, w13_scale_swizzled, w13_global, w2, w2_scale_swizzled, w2_global,
             activation="silu" if gated else "relu2", params_dtype=torch.bfloat16,
-            w13_layout="w13", reuse_input_storage=reuse_input_storage,
+            w13_layout=w13_layout, reuse_input_storage=reuse_input_storage,
         )  # fmt: skip
     return {name: getattr(packed, name) for name in PACKED_FIELDS}

@@ -165,6 +165,12 @@ def format_w4a16_report(result: dict) -> str:
         *(f"  {k}: {v}" for k, v in W4A16_VARIANTS.items() if k in result["summary"]),
         f"every variant gives the same bytes (checked per {checked})",
     ]
+    if d := result.get("gate_up_scales_differ"):
+        lines.append(
+            f"  except w2_global_scale: in {d} expert(s) of a layer gate and up "
+            "have different global scales; this tree carries up / gate in FC2's "
+            "alpha (exact), FlashInfer's path takes one FC1 scale for both"
+        )
     if result["flashinfer_skipped"]:
         lines.append(
             f"FlashInfer's own functions not run: {result['flashinfer_skipped']}"
