@@ -38,12 +38,12 @@ from collections.abc import Callable
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     ChunkProgress,
-    _check_cap,
-    _run_chunks,
-    _tile_bytes,
+    check_cap,
+    run_chunks,
+    tile_bytes,
 )
 from vllm.model_executor.layers.quantization.utils.inplace_tile_permutation import (
     TileCyclePlan,
@@ -108,7 +108,7 @@ def _overhead(n: int) -> int:
 def _budget(cap: int, device: torch.device, n: int) -> int:
     """What the chunks of a call on experts of ``n`` rows may allocate:
     the cap (at most the device's tile size) less :func:`_overhead`."""
-    return min(cap, max(_tile_bytes(device), 1)) - _overhead(n)
+    return min(cap, max(tile_bytes(device), 1)) - _overhead(n)
 
 
 # --- the rearrangement inside a tile of codes ------------------------------------
@@ -329,7 +329,7 @@ def _geometry(name: str, t: torch.Tensor, rotate: int, per_row: int):
 
 def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> _Plan:
     e, n, k, nt, kt = _geometry("weight", weight, rotate, 2)
-    budget = _budget(_check_cap(cap), weight.device, n)
+    budget = _budget(check_cap(cap), weight.device, n)
     dev = weight.device
     plan = _Plan()
     if weight.numel() == 0:
@@ -410,7 +410,7 @@ def repack_w4a16_weight_(
     _check("weight", weight, torch.uint8)
     with torch.no_grad():
         plan = _weight_plan(weight, rotate, max_transient_bytes, inverse=False)
-        _run_chunks(len(plan), plan.run, progress, weight.device)
+        run_chunks(len(plan), plan.run, progress, weight.device)
     e, n, half_k = weight.shape
     return weight.view(torch.int32).view(e, 2 * half_k // 16, n // 64 * 128)
 
@@ -428,7 +428,7 @@ def unrepack_w4a16_weight_(
     _check("weight", weight, torch.uint8)
     with torch.no_grad():
         plan = _weight_plan(weight, rotate, max_transient_bytes, inverse=True)
-        _run_chunks(len(plan), plan.run, progress, weight.device)
+        run_chunks(len(plan), plan.run, progress, weight.device)
     return weight
 
 
@@ -438,7 +438,7 @@ def unrepack_w4a16_weight_(
 def _scale_plan(scale: torch.Tensor, exponent: int, rotate: int, cap: int,
                 inverse: bool) -> _Plan:  # fmt: skip
     e, n, k, nt, c = _geometry("scale", scale, rotate, 16)
-    budget = _budget(_check_cap(cap), scale.device, n)
+    budget = _budget(check_cap(cap), scale.device, n)
     dev = scale.device
     plan = _Plan()
     if scale.numel() == 0:
@@ -513,7 +513,7 @@ def pack_w4a16_blockscale_(
     _check("scale", scale, torch.float8_e4m3fn)
     with torch.no_grad():
         plan = _scale_plan(scale, exponent, rotate, max_transient_bytes, False)
-        _run_chunks(len(plan), plan.run, progress, scale.device)
+        run_chunks(len(plan), plan.run, progress, scale.device)
     e, n, c = scale.shape
     return scale.view(e, c, n)
 
@@ -532,5 +532,5 @@ def unpack_w4a16_blockscale_(
     _check("scale", scale, torch.float8_e4m3fn)
     with torch.no_grad():
         plan = _scale_plan(scale, exponent, rotate, max_transient_bytes, True)
-        _run_chunks(len(plan), plan.run, progress, scale.device)
+        run_chunks(len(plan), plan.run, progress, scale.device)
     return scale
