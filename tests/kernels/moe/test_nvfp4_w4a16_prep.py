@@ -539,3 +539,18 @@ def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
     # Rank 1 of 2 holds global experts 4..7 at local 0..3.
     emap = bound.arguments["expert_map"]
     assert emap.dtype == torch.int32 and emap.tolist() == [-1] * 4 + [0, 1, 2, 3]
+
+
+def test_w4a16_layer_takes_the_alpha_mode_only():
+    # W4A4's experts options: "alpha" (what W4A16 does) is accepted, "fold"
+    # refused with the reason; a geometry the layout cannot hold is named.
+    _w4a16_layer(2, 128, 64, True, cap=None)
+    with pytest.raises(ValueError, match="global_scale_mode must be 'alpha'"):
+        FusedMoE(num_experts=2, top_k=1, hidden_size=128, intermediate_size=64,
+                 quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+                 moe_backend=BACKEND,
+                 experts_kwargs={"global_scale_mode": "fold"})  # fmt: skip
+    with pytest.raises(ValueError, match="hidden size to be a multiple of 64"):
+        FusedMoE(num_experts=2, top_k=1, hidden_size=96, intermediate_size=64,
+                 quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+                 moe_backend=BACKEND)  # fmt: skip
