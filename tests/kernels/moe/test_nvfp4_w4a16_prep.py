@@ -27,7 +27,7 @@ from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
@@ -145,7 +145,9 @@ def test_bounded_errors_name_the_tensor_and_leave_it_intact():
 def test_interrupted_bounded_calls_resume_to_the_same_bytes(path):
     # Interrupted at any torch call of the call, then retried with the same
     # progress record: the reference's bytes, as uninterrupted.
-    e, n, k, cap = (3, 128, 128, 64 * MiB) if path == "A" else (1, 192, 1024, 90_000)
+    # A: 3 experts of 16 KiB; B: one 32 KiB expert under a 44 KB cap (two
+    # strip chunks, then the cycle-following).
+    e, n, k, cap = (3, 128, 128, 64 * MiB) if path == "A" else (1, 128, 512, 44_000)
     w, s = _rand_weight(e, n, k, seed=3), _rand_scale(e, n, k, seed=4)
     x = w4a16_scale_exponent(s)
     scale_cap = cap if path == "A" else w4a16_min_transient_bytes(n, k, scale=True)
@@ -225,6 +227,17 @@ def _tensors(e, h, i, gated, seed, std=0.02):
 def _prepare(layer):
     layer.quant_method.process_weights_after_loading(layer)
     return layer
+
+
+def _w3w1(t, i):
+    """Checkpoint tensors with w13 as [w3; w1] (what the layer's loader
+    places for b12x; a layer made with place_w3w1 takes them as they are)."""
+    out = dict(t)
+    out["w13_weight"] = torch.roll(t["w13_weight"], i, dims=1)
+    scale = torch.roll(t["w13_weight_scale"].view(torch.uint8), i, dims=1)
+    out["w13_weight_scale"] = scale.view(torch.float8_e4m3fn)
+    out["w13_weight_scale_2"] = t["w13_weight_scale_2"].flip(1)
+    return out
 
 
 def _expected_packed(t, gated, i):
@@ -349,22 +362,27 @@ def test_prepared_twice_is_a_no_op_and_forward_refuses_before():
                _packed_bytes(layer).values(), strict=True))  # fmt: skip
 
 
-@pytest.mark.parametrize("shape", LAYERS[:2], ids=LAYER_IDS[:2])
+@pytest.mark.parametrize(
+    "shape", [(2, 128, 64, True), (2, 192, 96, True)], ids=["I64", "I96_halves"]
+)
 def test_interrupted_layer_preparation_resumes_to_the_same_bytes(shape):
     e, h, i, gated = shape
     t = _tensors(e, h, i, gated, seed=7)
-    cap = 48 << 10  # several chunks per step
+    cap = 24 << 10  # several chunks per step
 
     def fresh():
         layer = _w4a16_layer(e, h, i, gated, cap=cap)
-        _load_through_loader(layer, t)
+        load_nvfp4_experts(layer, _w3w1(t, i))  # the layer places [w3; w1]
         return layer
 
     want = _packed_bytes(_prepare(fresh()))
     layer = fresh()
     with RaiseAtCall() as counter:
         _prepare(layer)
-    for k in range(1, counter.calls + 1, 3 if shape[1] > 200 else 1):
+    # Every call of the smaller layer; every 5th (and the last ones) of the
+    # one with the half swap (its calls are the same steps, more of them).
+    step = 1 if i == 64 else 5
+    for k in [*range(1, counter.calls + 1, step), counter.calls]:
         layer = fresh()
         with pytest.raises(Interrupt), RaiseAtCall(k):
             _prepare(layer)
@@ -479,3 +497,60 @@ def test_layer_packed_weights_equal_flashinfer(shape, monkeypatch):
             getattr(layer.quant_method.experts.packed_weights, field).shape == ref.shape
         )
         assert torch.equal(got[field], bytes_of(ref.contiguous())), field
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                    reason="needs flashinfer-python (the real signature)")  # fmt: skip
+def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
+    # The call FlashInferB12xW4A16Experts.apply makes, bound to FlashInfer
+    # 0.7.4's own launch_sm120_moe signature and W4A16PackedWeights fields:
+    # the prepared weights go in as they are (the same tensors, no copy), with
+    # the expert map of expert parallelism.
+    import inspect
+
+    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch
+
+    from vllm.model_executor.layers.fused_moe.experts import flashinfer_b12x_w4a16 as m
+
+    sms = types.SimpleNamespace(multi_processor_count=3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: sms)
+    assert m.flashinfer_w4a16_prepared_call()
+    e, h, i = 4, 256, 128
+    layer = _w4a16_layer(2 * e, h, i, True, ep_rank=1, ep_size=2)
+    _load_through_loader(layer, _tensors(2 * e, h, i, True, seed=16))
+    _prepare(layer)
+    experts = layer.quant_method.experts
+    pw = experts.packed_weights
+    prepared = m._flashinfer_packed(pw, torch.device("cpu"))
+    assert prepared.workspace.shape == (3 * 4 + 2,)
+    for field in ("w13", "w13_scale", "w13_global_scale", "w2", "w2_scale",
+                  "w2_global_scale"):  # fmt: skip
+        assert getattr(prepared, field) is getattr(pw, field)
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int32)
+    kwargs = m._launch_kwargs(experts, pw, prepared, x, layer.w13_weight,
+                              layer.w2_weight, torch.ones(3, 2), ids,
+                              torch.empty_like(x))  # fmt: skip
+    bound = inspect.signature(moe_dispatch.launch_sm120_moe).bind(**kwargs)
+    assert bound.arguments["_prepared_weights"] is prepared
+    assert bound.arguments["num_experts"] == 2 * e
+    assert bound.arguments["num_local_experts"] == e
+    assert bound.arguments["quant_mode"] == "w4a16"
+    # Rank 1 of 2 holds global experts 4..7 at local 0..3.
+    emap = bound.arguments["expert_map"]
+    assert emap.dtype == torch.int32 and emap.tolist() == [-1] * 4 + [0, 1, 2, 3]
+
+
+def test_w4a16_layer_takes_the_alpha_mode_only():
+    # W4A4's experts options: "alpha" (what W4A16 does) is accepted, "fold"
+    # refused with the reason; a geometry the layout cannot hold is named.
+    _w4a16_layer(2, 128, 64, True, cap=None)
+    with pytest.raises(ValueError, match="global_scale_mode must be 'alpha'"):
+        FusedMoE(num_experts=2, top_k=1, hidden_size=128, intermediate_size=64,
+                 quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+                 moe_backend=BACKEND,
+                 experts_kwargs={"global_scale_mode": "fold"})  # fmt: skip
+    with pytest.raises(ValueError, match="hidden size to be a multiple of 64"):
+        FusedMoE(num_experts=2, top_k=1, hidden_size=96, intermediate_size=64,
+                 quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+                 moe_backend=BACKEND)  # fmt: skip

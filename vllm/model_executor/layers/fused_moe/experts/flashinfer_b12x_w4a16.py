@@ -54,10 +54,14 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
 )
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    DEFAULT_MAX_TRANSIENT_BYTES,
+from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
@@ -146,8 +150,16 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
         quant_config: FusedMoEQuantConfig,
         *,
         max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+        global_scale_mode: str = "alpha",
     ):
         super().__init__(moe_config, quant_config)
+        if global_scale_mode != "alpha":
+            # The W4A16 kernel multiplies each GEMM by its own per-expert
+            # global scale; nothing to fold (the W4A4 option is refused).
+            raise ValueError(
+                "W4A16 experts take the global scales as the kernel's alphas: "
+                f"global_scale_mode must be 'alpha', got {global_scale_mode!r}"
+            )
         h, inter = moe_config.hidden_dim, moe_config.intermediate_size_per_partition
         for what, rows in (("hidden size", h), ("w13 rows", moe_config.w13_rows)):
             if rows % W4A16_TILE_N != 0:

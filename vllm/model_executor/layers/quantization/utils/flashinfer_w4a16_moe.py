@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """FlashInfer's W4A16 (b12x) layout of NVFP4 MoE weights, made in place in
-bounded memory.
+bounded memory. (About 560 lines: weights and scales, forward and back, share
+one chunk plan and are best read together.)
 
 The layout is defined once, whole-tensor, in
 :mod:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils`
@@ -38,12 +39,12 @@ from collections.abc import Callable
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     ChunkProgress,
-    _check_cap,
-    _run_chunks,
-    _tile_bytes,
+    check_cap,
+    run_chunks,
+    tile_bytes,
 )
 from vllm.model_executor.layers.quantization.utils.inplace_tile_permutation import (
     TileCyclePlan,
@@ -108,7 +109,7 @@ def _overhead(n: int) -> int:
 def _budget(cap: int, device: torch.device, n: int) -> int:
     """What the chunks of a call on experts of ``n`` rows may allocate:
     the cap (at most the device's tile size) less :func:`_overhead`."""
-    return min(cap, max(_tile_bytes(device), 1)) - _overhead(n)
+    return min(cap, max(tile_bytes(device), 1)) - _overhead(n)
 
 
 # --- the rearrangement inside a tile of codes ------------------------------------
@@ -130,15 +131,17 @@ def _shuffle_planes(planes: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
     (``inverse``: back). Every step is an involution, so the inverse runs
     the same four steps in the reverse order.
 
-    ``planes`` int64 [8, M]: plane (wh, wl, c) (index wh*4 + wl*2 + c) holds
+    ``planes`` int64 [8, M]: plane (wl, c, wh) (index wl*4 + c*2 + wh) holds
     8-byte row chunks of rows ``warp*16 + c*8 + col`` (warp = wh*2 + wl):
     byte ``ab*4 + tr`` holds the codes k = ab*8 + tr*2 (low nibble) and + 1.
-    Afterwards plane (wh, tr) (index wh*4 + tr) holds the output words
-    [word(tr, warp=2wh), word(tr, warp=2wh+1)] of the layout (nibbles
-    (h, c, ab) per int32 word). ``t1``, ``t2``: int64 scratch of >= 2M.
+    Afterwards plane (tr, wh) (index tr*2 + wh, the same slot) holds the
+    output words [word(tr, warp=2wh), word(tr, warp=2wh+1)] of the layout
+    (nibbles (h, c, ab) per int32 word), so that the planes, in order, are
+    the 8 words of a 64-byte output block. ``t1``, ``t2``: int64 scratch of
+    >= 2M.
     """
     m = planes.shape[1]
-    p = planes.view(2, 2, 2, m)
+    p = planes.view(2, 2, 2, m)  # [wl, c, wh, M]
     s1, s2 = t1[: 2 * m].view(2, m), t2[: 2 * m].view(2, m)
     pairs = planes.view(4, 2, m)
 
@@ -152,8 +155,8 @@ def _shuffle_planes(planes: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
         # c = 0 (a) and c = 1 (b) by bytes: a's even bytes with b's even ones
         # (tr = 0, 2), a's odd bytes with b's odd ones (tr = 1, 3). The same
         # formulas undo it.
-        for wh in range(2):
-            a, b = p[wh, :, 0], p[wh, :, 1]  # [2 (wl), M]
+        for wl in range(2):
+            a, b = p[wl, 0], p[wl, 1]  # [2 (wh), M]
             torch.bitwise_and(b, _EVEN_BYTES, out=s1)
             s1.bitwise_left_shift_(8)
             torch.bitwise_right_shift(a, 8, out=s2)
@@ -168,8 +171,8 @@ def _shuffle_planes(planes: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
 
     def warps() -> None:
         # Words of warps 2wh and 2wh+1 paired: low halves together, high ones.
-        for wh in range(2):
-            lo, hi = p[wh, 0], p[wh, 1]  # [2 (c), M]
+        for c in range(2):
+            lo, hi = p[0, c], p[1, c]  # [2 (wh), M]
             torch.bitwise_right_shift(lo, 32, out=s1)
             s1.bitwise_xor_(hi)
             s1.bitwise_and_(_LOW_WORD)
@@ -180,6 +183,13 @@ def _shuffle_planes(planes: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
     steps = [nibbles, interleave, units, warps]
     for step in reversed(steps) if inverse else steps:
         step()
+
+
+def _as_planes(strips: torch.Tensor) -> torch.Tensor:
+    """int64 strips [u, 64 rows, kt] as [wl, c, wh, u, col, kt] (a view):
+    row warp*16 + c*8 + col, warp = wh*2 + wl."""
+    u, _, kt = strips.shape
+    return strips.view(u, 2, 2, 2, 8, kt).permute(2, 3, 1, 0, 4, 5)
 
 
 class _Planes:
@@ -193,35 +203,43 @@ class _Planes:
         self.t1 = torch.empty(2 * units * 8 * kt, dtype=torch.int64, device=dev)
         self.t2 = torch.empty_like(self.t1)
         self.idx = torch.empty(64 * units, dtype=torch.int64, device=dev)
-        # row warp*16 + c*8 + col of a strip, by (plane = warp*2 + c, col)
-        self.off = torch.arange(64, dtype=torch.int64, device=dev).view(8, 1, 8)
+        # row warp*16 + c*8 + col of a strip, by (plane (wl, c, wh), col)
+        off = torch.arange(64, dtype=torch.int64, device=dev).view(2, 2, 2, 8)
+        self.off = off.permute(1, 2, 0, 3).reshape(8, 1, 8)
 
     @staticmethod
     def nbytes(units: int, kt: int) -> int:
         return units * (64 * kt * 8 * 3 // 2 + 512)
 
-    def _index(self, bases: torch.Tensor) -> torch.Tensor:
-        u = bases.numel()
-        ix = self.idx[: 64 * u].view(8, u, 8)
-        torch.add(bases.view(1, u, 1), self.off, out=ix)
-        return ix.view(-1)
+    def view(self, u: int) -> torch.Tensor:
+        """The first ``u`` units of planes: [8, u*8*kt]."""
+        return self.planes[: u * 64 * self.kt].view(8, -1)
 
-    def fill(self, bases: torch.Tensor) -> torch.Tensor:
-        """Gather the strips whose first rows are ``bases`` [u] and shuffle:
-        planes [8, u*8*kt] of output words (nothing written to the rows)."""
-        view = self.planes[: bases.numel() * 64 * self.kt].view(8, -1)
-        torch.index_select(self.rows, 0, self._index(bases),
-                           out=view.view(-1, self.kt))  # fmt: skip
+    def fill(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """Copy the strips of ``pieces`` (int64 [u_i, 64, kt] views of the
+        rows, in unit order) into the planes and shuffle: planes [8, u*8*kt]
+        of output words (nothing is written to the rows)."""
+        u = sum(piece.shape[0] for piece in pieces)
+        view = self.view(u)
+        dst = view.view(2, 2, 2, u, 8, self.kt)
+        u0 = 0
+        for piece in pieces:  # row copies, runs of kt words
+            dst[:, :, :, u0 : u0 + piece.shape[0]].copy_(_as_planes(piece))
+            u0 += piece.shape[0]
         _shuffle_planes(view, self.t1, self.t2)
         return view
 
     def drain(self, bases: torch.Tensor, load: Callable[[torch.Tensor], None]):
         """The inverse: ``load(planes)`` fills planes [8, u*8*kt] with output
-        words; unshuffled, they are written to the strips' rows (one write)."""
-        view = self.planes[: bases.numel() * 64 * self.kt].view(8, -1)
+        words; unshuffled, they are written to the strips whose first rows
+        are ``bases`` [u] (one ``index_copy_``, the only write)."""
+        u = bases.numel()
+        view = self.view(u)
         load(view)
         _shuffle_planes(view, self.t1, self.t2, inverse=True)
-        self.rows.index_copy_(0, self._index(bases), view.view(-1, self.kt))
+        ix = self.idx[: 64 * u].view(8, u, 8)
+        torch.add(bases.view(1, u, 1), self.off, out=ix)
+        self.rows.index_copy_(0, ix.view(-1), view.view(-1, self.kt))
 
 
 # --- plans ------------------------------------------------------------------------
@@ -329,7 +347,7 @@ def _geometry(name: str, t: torch.Tensor, rotate: int, per_row: int):
 
 def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> _Plan:
     e, n, k, nt, kt = _geometry("weight", weight, rotate, 2)
-    budget = _budget(_check_cap(cap), weight.device, n)
+    budget = _budget(check_cap(cap), weight.device, n)
     dev = weight.device
     plan = _Plan()
     if weight.numel() == 0:
@@ -341,16 +359,24 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
         g = min(e, budget // per_expert)
         work = _Planes(rows, g * nt, kt)
         out = words.view(e, kt, nt, 8, 4, 2)
+        strips = words.view(e, nt, 64, kt)
+        rs = rotate // 64
         rolled = (torch.arange(nt, device=dev) * 64 + rotate) % n
 
         def experts(e0: int, ge: int) -> None:
-            first = torch.arange(e0, e0 + ge, device=dev).view(-1, 1) * n
-            bases = (first + rolled.view(1, -1)).view(-1)
             dst = out[e0 : e0 + ge]
             if not inverse:
-                planes = work.fill(bases)
+                # output strip j of each expert is strip (j + rs) % nt
+                src = strips[e0 : e0 + ge]
+                if rs:
+                    pieces = [q for x in range(ge) for q in (src[x, rs:], src[x, :rs])]
+                else:
+                    pieces = [src.reshape(ge * nt, 64, kt)]
+                planes = work.fill(pieces)
                 dst.copy_(_expert_view(planes, ge, nt, kt))  # the only write
             else:
+                first = torch.arange(e0, e0 + ge, device=dev).view(-1, 1) * n
+                bases = (first + rolled.view(1, -1)).view(-1)
                 work.drain(bases, lambda p: _expert_view(p, ge, nt, kt).copy_(dst))
 
         for e0 in range(0, e, g):
@@ -362,12 +388,15 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
     work = _Planes(rows, g, kt)
     out = words.view(e * nt, kt, 8, 4, 2)
 
+    all_strips = words.view(e * nt, 64, kt)
+
     def strips(s0: int, gs: int) -> None:
-        bases = torch.arange(s0, s0 + gs, device=dev) * 64
         dst = out[s0 : s0 + gs]
         if not inverse:
-            dst.copy_(_strip_view(work.fill(bases), gs, kt))  # the only write
+            planes = work.fill([all_strips[s0 : s0 + gs]])
+            dst.copy_(_strip_view(planes, gs, kt))  # the only write
         else:
+            bases = torch.arange(s0, s0 + gs, device=dev) * 64
             work.drain(bases, lambda p: _strip_view(p, gs, kt).copy_(dst))
 
     room = budget - _Planes.nbytes(g, kt)
@@ -382,12 +411,12 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
 
 def _expert_view(planes: torch.Tensor, ge: int, nt: int, kt: int) -> torch.Tensor:
     """Planes of ``ge`` whole experts as [ge, kt, nt, col, tr, wh] words."""
-    return planes.view(2, 4, ge, nt, 8, kt).permute(2, 5, 3, 4, 1, 0)
+    return planes.view(4, 2, ge, nt, 8, kt).permute(2, 5, 3, 4, 0, 1)
 
 
 def _strip_view(planes: torch.Tensor, gs: int, kt: int) -> torch.Tensor:
     """Planes of ``gs`` strips as [gs, kt, col, tr, wh] words."""
-    return planes.view(2, 4, gs, 8, kt).permute(2, 4, 3, 1, 0)
+    return planes.view(4, 2, gs, 8, kt).permute(2, 4, 3, 0, 1)
 
 
 def repack_w4a16_weight_(
@@ -410,7 +439,7 @@ def repack_w4a16_weight_(
     _check("weight", weight, torch.uint8)
     with torch.no_grad():
         plan = _weight_plan(weight, rotate, max_transient_bytes, inverse=False)
-        _run_chunks(len(plan), plan.run, progress, weight.device)
+        run_chunks(len(plan), plan.run, progress, weight.device)
     e, n, half_k = weight.shape
     return weight.view(torch.int32).view(e, 2 * half_k // 16, n // 64 * 128)
 
@@ -428,7 +457,7 @@ def unrepack_w4a16_weight_(
     _check("weight", weight, torch.uint8)
     with torch.no_grad():
         plan = _weight_plan(weight, rotate, max_transient_bytes, inverse=True)
-        _run_chunks(len(plan), plan.run, progress, weight.device)
+        run_chunks(len(plan), plan.run, progress, weight.device)
     return weight
 
 
@@ -438,7 +467,7 @@ def unrepack_w4a16_weight_(
 def _scale_plan(scale: torch.Tensor, exponent: int, rotate: int, cap: int,
                 inverse: bool) -> _Plan:  # fmt: skip
     e, n, k, nt, c = _geometry("scale", scale, rotate, 16)
-    budget = _budget(_check_cap(cap), scale.device, n)
+    budget = _budget(check_cap(cap), scale.device, n)
     dev = scale.device
     plan = _Plan()
     if scale.numel() == 0:
@@ -513,7 +542,7 @@ def pack_w4a16_blockscale_(
     _check("scale", scale, torch.float8_e4m3fn)
     with torch.no_grad():
         plan = _scale_plan(scale, exponent, rotate, max_transient_bytes, False)
-        _run_chunks(len(plan), plan.run, progress, scale.device)
+        run_chunks(len(plan), plan.run, progress, scale.device)
     e, n, c = scale.shape
     return scale.view(e, c, n)
 
@@ -532,5 +561,5 @@ def unpack_w4a16_blockscale_(
     _check("scale", scale, torch.float8_e4m3fn)
     with torch.no_grad():
         plan = _scale_plan(scale, exponent, rotate, max_transient_bytes, True)
-        _run_chunks(len(plan), plan.run, progress, scale.device)
+        run_chunks(len(plan), plan.run, progress, scale.device)
     return scale
