@@ -5,7 +5,7 @@
 Decodes sampled experts twice: from the checkpoint tensors
 (``e2m1 * block_scale * weight_scale_2``, [w1; w3]) and from the prepared
 layer exactly as the b12x kernel reads it (codes, block scales through the
-MMA-layout view, times the per-expert alpha, [w3; w1]), and counts the FP8
+MMA-layout view, times the per-expert alphas, [w3; w1]), and counts the FP8
 block scales that a fold pushed out of E4M3's normal range. Benchmarks only.
 """
 
@@ -58,11 +58,24 @@ def _checkpoint_weight(tensors: dict, prefix: str, e: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _up_gate_ratio(layer, e: int) -> float:
+    """s_up / s_gate of expert ``e`` (1.0 unless gated with differing global
+    scales): the factor the kernel's FC2 alpha carries for FC1's up rows."""
+    if not layer.moe_config.is_act_and_mul:
+        return 1.0
+    s2 = layer.w13_weight_scale_2[e].cpu()  # prepared: [up, gate]
+    return float(s2[0] / s2[1])
+
+
 def _prepared_weight(layer, prefix: str, e: int) -> torch.Tensor:
-    """Expert ``e``'s [rows, K] float32 weight as the kernel reads it."""
+    """Expert ``e``'s [rows, K] float32 weight as the kernel applies it: its
+    codes and scales times the alpha of its GEMM; the up/gate ratio that
+    FC2's alpha carries is moved back onto FC1's up rows, so that the
+    result is comparable weight by weight with the checkpoint's."""
     moe = layer.moe_config
     experts = layer.quant_method.experts
     qc = experts.quant_config
+    ratio = _up_gate_ratio(layer, e)
     if prefix == "w13":
         packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, qc.g1_alphas
         m, k = moe.w13_rows, moe.hidden_dim
@@ -70,7 +83,12 @@ def _prepared_weight(layer, prefix: str, e: int) -> torch.Tensor:
         packed, mma, alpha = layer.w2_weight, experts.w2_sf_mma, qc.g2_alphas
         m, k = moe.hidden_dim, moe.intermediate_size_per_partition
     scales = mma_layout_to_linear(mma[..., e : e + 1].cpu(), m, k)[0]
-    return dequantize_nvfp4(packed[e].cpu(), scales, 1.0) * alpha[e].cpu()
+    w = dequantize_nvfp4(packed[e].cpu(), scales, 1.0) * alpha[e].cpu()
+    if prefix == "w2":
+        return w / ratio
+    if moe.is_act_and_mul:
+        w[: moe.intermediate_size_per_partition] *= ratio  # [w3; w1]: up rows
+    return w
 
 
 def prepared_weight_precision(layer, tensors: dict, experts: list[int]) -> dict:

@@ -6,7 +6,7 @@
 
 Each worker is a spawned process (not forked: the parent may run OpenMP or
 CUDA already) that joins the distributed environment (a ``file://`` store in
-a temporary directory, gloo on CPU), initializes one tensor-parallel group
+a temporary directory; gloo for CPU ranks), initializes one tensor-parallel group
 of all ``world_size`` ranks, runs ``fn(rank, *args)`` and sends its result
 back pickled by value. When any worker fails, the others are terminated at
 once (they may be blocked in a collective waiting for it) and
@@ -40,7 +40,8 @@ class WorkerError(RuntimeError):
         self.rank, self.message, self.details = rank, message, details
 
 
-def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, conn):
+def _worker(fn, rank, world_size, init_method, backend, device, timeout_s, args,
+            conn):  # fmt: skip
     # Runs in the child process.
     import datetime
 
@@ -50,6 +51,7 @@ def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, conn):
         ps.init_distributed_environment(
             world_size=world_size, rank=rank, distributed_init_method=init_method,
             backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+            device=device,
         )  # fmt: skip
         ps.initialize_model_parallel(world_size)
         value = fn(rank, *args)
@@ -70,6 +72,7 @@ def spawn_workers(
     args: tuple = (),
     *,
     backend: str | None = None,
+    device: str | None = None,
     timeout_s: float = 600.0,
     deadline_s: float | None = None,
 ) -> list[Any]:
@@ -77,8 +80,9 @@ def spawn_workers(
     process inside a tensor-parallel group of ``world_size`` ranks.
 
     ``fn`` must be importable by name (a module-level function) and its
-    arguments and result picklable. ``backend``: default gloo without CUDA,
-    NCCL with it. ``timeout_s`` bounds each collective (a rank waiting for
+    arguments and result picklable. ``backend``: default from ``device``
+    (the device the ranks compute on, default CPU): NCCL for "cuda", gloo
+    otherwise, on any host. ``timeout_s`` bounds each collective (a rank waiting for
     one that hangs); ``deadline_s``, if given, the whole run. Raises
     :class:`WorkerError` for the first rank that fails (or dies, or misses
     the deadline), after terminating every worker.
@@ -102,6 +106,7 @@ def spawn_workers(
                     world_size,
                     init_method,
                     backend,
+                    device,
                     timeout_s,
                     args,
                     pipes[rank][1],
