@@ -12,7 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PeakMemory", "measure_peak_memory"]
+__all__ = ["CUDA_ALLOCATION_ROUNDING", "PeakMemory", "measure_peak_memory"]
+
+#: The CUDA caching allocator rounds every block up to a multiple of 512
+#: bytes (``kMinBlockSize``); ``torch.cuda.memory_allocated`` counts the
+#: rounded sizes. ``measure_peak_memory(..., round_to=...)`` simulates it.
+CUDA_ALLOCATION_ROUNDING = 512
 
 
 @dataclass
@@ -65,17 +70,19 @@ def _cpu_allocation_events(
 
 
 def _own_allocation_levels(
-    events: list[tuple[int, int, int]],
+    events: list[tuple[int, int, int]], round_to: int = 1
 ) -> list[tuple[int, int]]:
     """(time_ns, bytes live) after each event, counting only blocks allocated
     inside the measured block: torch's CPU size table can keep a stale entry
     for a pointer freed while no profiler ran, so a free of an older tensor
     at a reused address may be reported with some other block's size (seen
-    as a random negative figure). Such frees are ignored."""
+    as a random negative figure). Such frees are ignored. Each allocation
+    counts ``round_to``-rounded (up)."""
     live: dict[int, int] = {}
     level, out = 0, []
     for t_ns, delta, ptr in events:
         if delta > 0:
+            delta = -(-delta // round_to) * round_to
             live[ptr] = live.get(ptr, 0) + delta
             level += delta
         elif delta < 0 and ptr in live:
@@ -104,7 +111,9 @@ def _stderr_fd_silenced() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
+def measure_peak_memory(
+    device: torch.device | str, *, round_to: int = 1
+) -> Iterator[PeakMemory]:
     """Measure the peak bytes allocated above the starting point in a block.
 
     Usage::
@@ -127,10 +136,16 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     such frees out); the two agree when the block frees nothing older than
     itself. Frees are matched to the block's own allocations by pointer, so
     neither a garbage collection during the block nor a stale entry in
-    torch's size table changes the figure. Process RSS is not used: it depends on the C
+    torch's size table changes the figure. ``round_to`` (CPU only) counts
+    every allocation rounded up to a multiple of that many bytes:
+    ``CUDA_ALLOCATION_ROUNDING`` gives the figure the CUDA caching allocator
+    would report for the same allocations (a cap that holds in exact bytes
+    can fail there). Process RSS is not used: it depends on the C
     allocator's caching and page reuse, not on what torch asked for. The
     profiler slows the block down: do not time code while measuring it.
     """
+    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
+        raise ValueError(f"round_to must be a positive int, got {round_to!r}")
     device = torch.device(device)
     result = PeakMemory(device=device)
     if device.type == "cuda":
@@ -156,6 +171,6 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     finally:
         with _stderr_fd_silenced():
             prof.stop()
-    result.timeline = _own_allocation_levels(_cpu_allocation_events(prof))
+    result.timeline = _own_allocation_levels(_cpu_allocation_events(prof), round_to)
     result.peak_bytes = max((lvl for _, lvl in result.timeline), default=0)
     result.net_bytes = result.timeline[-1][1] if result.timeline else 0

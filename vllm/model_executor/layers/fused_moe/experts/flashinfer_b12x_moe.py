@@ -3,7 +3,8 @@
 """FlashInfer b12x NVFP4 MoE experts (SM120/SM121) and their weight preparation.
 
 ``process_weights_after_loading`` turns a loaded ModelOpt NVFP4 layer into
-what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
+what FlashInfer's b12x MoE (``B12xMoEWrapper``, called as
+``flashinfer_b12x_call`` describes) reads, in bounded memory::
 
     checkpoint layout                         b12x layout
     w13_weight        [E, 2I, H/2] [w1; w3]   -> [w3; w1]          (in place)
@@ -34,6 +35,10 @@ what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
 
 Every step allocates at most ``max_transient_bytes``. (Scale parameters
 made without room for the padding get a new padded tensor instead.)
+
+(Over 500 lines: the preparation steps, their recovery and the call they
+prepare for are one contract, kept in one place; FlashInfer specifics live
+in ``flashinfer_b12x_call``.)
 """
 
 from __future__ import annotations
@@ -115,6 +120,20 @@ def is_flashinfer_b12x_moe_available() -> Support:
     """The one gate of the b12x kernel: SM120/121, CUDA 13+, flashinfer's
     ``B12xMoEWrapper`` importable. Truthy, or falsy with the reason."""
     return _flashinfer_b12x_support()
+
+
+def _wait_for_step(device: torch.device) -> None:
+    """Wait, once at the end of a step, until the device has finished it.
+
+    On CUDA a chunk's copies are only queued when its progress is recorded;
+    an asynchronous error (or a failure of the device) would surface at some
+    later call. Synchronizing here, before the step is recorded done, means
+    a step recorded done has run to the end, and an error is raised by the
+    step it belongs to. Once per step, not per chunk: chunks stay queued
+    back to back. (An interrupted step resumes from recorded chunks, which
+    the stream runs in order before anything queued after them.)"""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
@@ -443,14 +462,17 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 return
             if state.status is PrepStatus.RESTORING:
                 self.restore_load_layout(layer)
+            device = layer.w13_weight.device
             if state.status is PrepStatus.LOADING:
                 name, validate = steps[0]
                 validate()
+                _wait_for_step(device)
                 state.begin(PrepStatus.PREPARING)
                 state.done.append(name)
             for name, fn in steps:
                 if name not in state.done:
                     fn()
+                    _wait_for_step(device)
                     state.done.append(name)
             if steps[-1][0] == "finalize":
                 state.status = PrepStatus.PREPARED
@@ -497,6 +519,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
                         progress=state.progress_of(step),
                     )  # fmt: skip
                     _replace_parameter(layer, name, linear)
+                _wait_for_step(layer.w13_weight.device)
                 state.done.append(step)
         qc = self.quant_config
         qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
