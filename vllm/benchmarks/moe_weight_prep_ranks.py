@@ -92,4 +92,7 @@ def rank_job(rank: int, params: dict) -> dict:
 def run_ranks(params: dict) -> list[dict]:
     """Run ``params["world_size"]`` workers (:func:`rank_job`); their results
     in rank order."""
-    return spawn_workers(rank_job, params["world_size"], args=(params,))
+    # The backend follows the device the ranks compute on: gloo for
+    # --device cpu even on a GPU host, NCCL for --device cuda.
+    return spawn_workers(rank_job, params["world_size"], args=(params,),
+                         device=params["device"])  # fmt: skip
