@@ -380,7 +380,8 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 for name in ("w13_weight_scale_2", "w13_input_scale"):
                     t = getattr(layer, name, None)
                     if t is not None and t.dim() == 2 and t.shape[1] == 2:
-                        t.copy_(t.flip(1))
+                        with moe_prep_threads(t.device):  # as every step's copies
+                            t.copy_(t.flip(1))
             layer.w13_loaded_as_w3w1 = moe.is_act_and_mul
 
         @torch.no_grad()
