@@ -61,9 +61,12 @@ def _assert_within(name: str, cap: int, fn, allocates: bool = True) -> int:
     return peak
 
 
+@pytest.mark.parametrize("factors", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("cap", CAPS + ["min"], ids=str)
-def test_fold_keeps_its_cap_under_rounding(cap):
-    scale, scale_2 = _scales(), torch.rand(E, 2) + 0.5
+def test_fold_keeps_its_cap_under_rounding(cap, factors):
+    # float64 global scales: the fold's float32 factors are then a copy,
+    # a block of their own (float32 ones are a view).
+    scale, scale_2 = _scales(), (torch.rand(E, 2) + 0.5).to(factors)
     if cap == "min":
         cap = blockscale_fold._fold_min_cap(2 * E)
     _assert_within("fold", cap, lambda: fold_global_scale_into_blockscale_(
