@@ -21,7 +21,7 @@ def test_qwen36_one_layer_report_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "free memory needed above the resident weights: legacy 288.0 MiB" in text
     assert "legacy EXCEEDS, bounded fits" in text
-    result = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())["ranks"][0]
     summary = result["summary"]
     assert summary["legacy"]["reorder"]["max_transient_bytes"] == 288 * MIB
     assert summary["legacy"]["fold"]["max_transient_bytes"] >= 4 * 32 * MIB
@@ -63,7 +63,7 @@ def test_checkpoint_directory(tmp_path, capsys, fmt):
           "--json", str(out_json)])  # fmt: skip
     text = capsys.readouterr().out
     assert f"({fmt}), checkpoint weights" in text
-    result = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())["ranks"][0]
     assert result["num_layers"] == 2 and result["tp_size"] == 1
     # Per layer: w13 [8, 512, 128] + scales [8, 512, 16].
     assert result["shapes"]["w13_weight"] == [8, 512, 128]
@@ -145,8 +145,9 @@ BAD_ARGUMENTS = {
     "json in a missing directory": (["--json", "/nonexistent-dir/r.json"],
                                     "directory /nonexistent-dir does not exist"),
     "plot is a directory": (["--plot", "/"], "--plot /: is a directory"),
-    "checkpoint is not a directory": (["--checkpoint", "/nonexistent-ckpt"],
-                                      "not a directory"),
+    "checkpoint does not exist": (["--checkpoint", "/nonexistent-ckpt"],
+                                  "--checkpoint /nonexistent-ckpt: no such directory"),
+    "checkpoint is a file": (["--checkpoint", __file__], "not a directory"),
 }  # fmt: skip
 
 
@@ -158,7 +159,8 @@ def test_bad_arguments_are_one_line_errors_before_the_run(case, capsys, monkeypa
     def never(*a, **k):
         raise AssertionError("the run started despite a bad argument")
 
-    monkeypatch.setattr(job, "run_benchmark", never)
+    for name in ("rank_job", "run_ranks", "busy_cores"):
+        monkeypatch.setattr(job, name, never)
     source = [] if "--checkpoint" in argv else ["--model", "qwen3.6-35b-a3b"]
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "moe-weight-prep", *source, "--no-progress", *argv])
@@ -187,7 +189,7 @@ def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, caps
     ckpt = _example(tmp_path / "c", layers=3)
     main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
           "--json", str(out_json)])  # fmt: skip
-    result = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())["ranks"][0]
     layers = result["layers"]
     assert len(layers) == 3
     for variant in ("legacy", "bounded"):

@@ -36,11 +36,11 @@ STEP_COLOURS = {
 VARIANTS = ("legacy", "bounded")
 #: Phases of the job whose time the run records (``phase_times_s``).
 JOB_PHASES = {
-    "timed": "preparing",
-    "metered": "metering (the profiler slows code down)",
+    "timed": "preparing (the timed runs, legacy and bounded)",
+    "metered": "metering",
     "check": "byte checks",
     "precision": "precision report",
-    "weights": "making or loading weights",
+    "weights": "making or loading the weights",
 }
 
 
@@ -167,19 +167,18 @@ def _precision_table(result: dict) -> str:
 
 def format_job_time(phases: dict[str, float], wall_s: float) -> str:
     """Where the job's wall time went: ``phases`` maps a phase (as named in
-    :data:`JOB_PHASES`) to its seconds (on rank 0 in a parallel run)."""
-    prep = phases.get("timed", 0.0)
+    :data:`JOB_PHASES`) to its seconds (rank 0's in a parallel run); the
+    rest is setup (starting the meter, processes, reading the config)."""
+    if wall_s <= 0:
+        return ""
     parts = [
-        f"{JOB_PHASES[name]} {secs:.1f} s"
+        f"{JOB_PHASES[name]} {secs:.1f} s ({100 * secs / wall_s:.0f}%)"
         for name, secs in phases.items()
-        if name != "timed" and secs >= 0.05
     ]
+    rest = wall_s - sum(phases.values())
     return (
-        f"job: {wall_s:.1f} s wall, of which preparing (the timed runs, legacy "
-        f"and bounded) {prep:.1f} s ({100 * prep / wall_s:.0f}%)"
-        + ("; " + ", ".join(parts) if parts else "")
-        if wall_s > 0
-        else ""
+        f"job: {wall_s:.1f} s wall: " + ", ".join(parts) + f", the rest {rest:.1f} s "
+        "(setup: the meter's first start, processes, the checkpoint's index)"
     )
 
 

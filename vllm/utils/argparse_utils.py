@@ -9,12 +9,19 @@ import os
 from collections.abc import Callable
 
 __all__ = [
+    "RunError",
     "available_cores",
     "core_count",
     "int_at_least",
     "non_negative_int",
     "positive_int",
 ]
+
+
+class RunError(RuntimeError):
+    """A command failed after its arguments were accepted (its run, or
+    writing its results): the command line reports it in one line and exits
+    with status 1, without the usage that argument errors (status 2) get."""
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

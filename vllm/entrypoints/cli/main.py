@@ -76,6 +76,7 @@ def _sigint_exits_at_once():
 def _main(argv: list[str] | None, prog: list[str]) -> int:
     with _sigint_exits_at_once():
         from vllm.distributed.launcher import WorkerError
+        from vllm.utils.argparse_utils import RunError
 
         parser = make_parser()
     args = parser.parse_args(argv)
@@ -88,12 +89,14 @@ def _main(argv: list[str] | None, prog: list[str]) -> int:
         # Point stdout at /dev/null so the interpreter's final flush is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
-    except WorkerError as e:
-        # A rank of a parallel run failed; the others were stopped.
+    except (WorkerError, RunError) as e:
+        # The run failed (a rank of a parallel run: the others were
+        # stopped): one line, status 1.
         command.exit(1, f"{command.prog}: error: {e}\n")
     except (ValueError, OSError) as e:
-        # One line, prefixed like argparse's own errors for the same command.
-        command.exit(2, f"{command.prog}: error: {e}\n")
+        # A bad argument, found before anything ran: the usage and one line,
+        # status 2, as argparse's own argument errors.
+        command.error(str(e))
 
 
 if __name__ == "__main__":
