@@ -12,6 +12,7 @@ from vllm.entrypoints.cli.main import main
 MIB = 1 << 20
 
 
+@pytest.mark.slow
 def test_qwen36_one_layer_report_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
     main(["bench", "moe-weight-prep", "--model", "qwen3.6-35b-a3b",
@@ -79,6 +80,7 @@ PARALLEL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PARALLEL))
 def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
     flags, shard, w13 = PARALLEL[case]
@@ -106,6 +108,7 @@ def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
     assert lines[4].startswith("max")
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capsys):
     # Rank 1's experts (4..7 under EP 2) include one with a NaN global
     # scale: rank 1 fails at load, rank 0 (waiting for it before the next

@@ -140,7 +140,7 @@ def _run(tmp_path, capsys, *argv, ckpt=None):
     return rc, capsys.readouterr()
 
 
-@pytest.mark.parametrize("tp", ["1", "2"])
+@pytest.mark.parametrize("tp", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_one_json_layout_for_any_number_of_ranks(tmp_path, capsys, tp):
     out = tmp_path / "r.json"
     rc, _ = _run(tmp_path, capsys, "--tp", tp, "--json", str(out))
@@ -225,8 +225,9 @@ def test_precision_report_says_what_it_decoded(tmp_path, capsys, how):
         return
     assert precision["fold"]["sample"]["how"] == how
     said = {
-        "sample": "--precision sample: decoded experts 0, 4, 7 of 8; 128-row "
-        "tiles: w13 tiles 0, 2, 3 of 4, w2 tiles 0, 1 of 2",
+        "sample": "--precision sample: decoded experts 0, 4, 7 of 8; blocks of "
+        "128 rows x 1024 columns: w13 row tiles 0, 2, 3 of 4 x column spans 0 of "
+        "1; w2 row tiles 0, 1 of 2 x column spans 0 of 1",
         "full": "--precision full: decoded all 8 experts, every row",
     }[how]
     assert said in captured.out, captured.out
