@@ -46,6 +46,8 @@ def check_output_path(path: str, flag: str, plot: bool = False) -> str:
     or in /proc), the format is one matplotlib writes.
     """
     target = path
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory")
     if plot:
         ext = os.path.splitext(path)[1].lower().lstrip(".")
         if not ext:
