@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 
 import torch
@@ -54,10 +55,15 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
+    check_load_layout,
     get_prep_state,
+    load_layout_ok,
+    nvfp4_moe_param_specs,
+    reload_slots,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+    blockscale_storage_for_swizzle,
     check_blockscale_values,
     fold_global_scale_into_blockscale_,
     moe_prep_threads,
@@ -68,6 +74,8 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GLOBAL_SCALE_MODES",
@@ -246,7 +254,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """
         # One thread setting for the whole preparation (see moe_prep_threads):
         # switching it per step would cost a thread-team restart each time.
-        with moe_prep_threads(layer.w13_weight.device):
+        with get_prep_state(layer).lock, moe_prep_threads(layer.w13_weight.device):
             for _, step in self.preparation_steps(layer):
                 step()
 
@@ -270,8 +278,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """
         cap = self.max_transient_bytes
         moe = self.moe_config
-        e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
-        inter = moe.intermediate_size_per_partition
+        e = moe.num_experts
         state = get_prep_state(layer)
         first_expert = getattr(layer, "_first_expert", 0)
 
@@ -286,36 +293,29 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
         @torch.no_grad()
         def fold() -> None:
-            if self.effective_global_scale_mode == "fold":
-                # Upstream's contract: each expert's global scale (w1's and
-                # w3's own for w13) into its FP8 block scales; then it is 1.
-                for name in ("w13", "w2"):
-                    scale_2 = getattr(layer, f"{name}_weight_scale_2")
-                    fold_global_scale_into_blockscale_(
-                        getattr(layer, f"{name}_weight_scale"), scale_2,
-                        max_transient_bytes=cap,
-                        progress=state.progress_of(f"fold.{name}"),
-                    )  # fmt: skip
-                    scale_2.fill_(1.0)  # idempotent: a resumed fold skips here
-                return
-            # "alpha": the global scales stay, as the kernel's per-expert
-            # alphas, and the block scales stay as loaded. Only an expert
-            # whose two w13 row groups have different global scales cannot be
-            # described by one alpha: it gets the larger one, and the ratio
-            # (< 1) is folded into the other half's block scales, which then
-            # shrink (a scale of 448 never saturates).
-            scale_2 = layer.w13_weight_scale_2  # [E, G]
-            if bool((scale_2 != scale_2[:, :1]).any()):
-                alpha = scale_2.amax(dim=1, keepdim=True)  # [E, 1]
-                ratio = scale_2 / alpha  # [E, G], <= 1
-                # The two [E, G] float32 tensors count against the cap too.
-                fold_cap = max(4, cap - 3 * scale_2.numel() * 4 - 64)
-                fold_global_scale_into_blockscale_(
-                    layer.w13_weight_scale, ratio, max_transient_bytes=fold_cap,
-                    progress=state.progress_of("fold.w13"),
-                )  # fmt: skip
-                del ratio
-                scale_2.copy_(alpha.expand_as(scale_2))  # a resumed fold skips here
+            mode = self.effective_global_scale_mode
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                loaded = getattr(layer, f"{prefix}_weight_scale_2").reshape(e, -1)
+                if mode == "fold":
+                    # Upstream's contract: each expert's global scale (w1's and
+                    # w3's own for w13) into its FP8 block scales; then it is 1.
+                    target, after = loaded, 1.0
+                elif prefix == "w13" and bool((loaded != loaded[:, :1]).any()):
+                    # "alpha": the global scales stay, as the kernel's
+                    # per-expert alphas, and the block scales stay as loaded.
+                    # Only an expert whose two w13 row groups have different
+                    # global scales cannot be described by one alpha: it gets
+                    # the larger one, and the ratio (< 1) is folded into the
+                    # other half's block scales (a scale of 448 never
+                    # saturates).
+                    alpha = loaded.amax(dim=1, keepdim=True)  # [E, 1]
+                    target, after = loaded / alpha, alpha.expand_as(loaded)
+                elif name in state.folds:
+                    target, after = torch.ones_like(loaded), None  # undo a fold
+                else:
+                    continue
+                self._fold_to(layer, state, prefix, target, after)
 
         @torch.no_grad()
         def reorder() -> None:
@@ -349,25 +349,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
         @torch.no_grad()
         def finalize() -> None:
-            qc = self.quant_config
-            # The config holds the swizzled scales; the kernel reads them
-            # through MMA-layout views (no copy).
-            qc.w1_scale = layer.w13_weight_scale
-            qc.w2_scale = layer.w2_weight_scale
-            self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
-            self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
-            qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
-            qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
-            # The kernel quantizes the FC2 input dynamically: its global scale
-            # is 1. Upstream hands the kernel the config's FC2 input scale
-            # filled with 1; without one, a new [E] tensor of ones.
-            if qc.a2_gscale is not None:
-                qc.a2_gscale.fill_(1.0)
-                self._fc2_input_scale = qc.a2_gscale
-            else:
-                self._fc2_input_scale = torch.ones(
-                    e, dtype=torch.float32, device=layer.w13_weight.device
-                )
+            self._bind_prepared(layer)
 
         steps = [("validate", validate), ("fold", fold), ("reorder", reorder),
                  ("swizzle", swizzle), ("finalize", finalize)]  # fmt: skip
@@ -376,78 +358,219 @@ class FlashInferB12xExperts(FusedMoEExperts):
             for i, (name, _) in enumerate(steps)
         ]
 
+    def _fold_to(self, layer, state, prefix: str, target, after) -> None:
+        """Bring ``{prefix}_weight_scale`` to ``target`` [E, G] folded in (from
+        what ``state.folds`` says is folded now), then set the global scale
+        parameter to ``after`` (kept as loaded in ``state.global_scales``).
+        Resumable: the plan is made once per preparation."""
+        name, name_2 = f"{prefix}_weight_scale", f"{prefix}_weight_scale_2"
+        key = f"fold.{prefix}"
+        scale_2 = getattr(layer, name_2)
+        plan = state.plans.get(key)
+        if plan is None:
+            loaded = scale_2.detach().reshape(scale_2.shape[0], -1).clone()
+            now = state.folds.get(name)
+            factor = target / now if now is not None else target.clone()
+            plan = state.plans[key] = (loaded, factor, target.clone())
+        loaded, factor, target = plan
+        if bool((factor != 1).any()):
+            # The plan's [E, G] float32 tensors count against the cap too.
+            cap = max(4, self.max_transient_bytes - 4 * factor.numel() * 4 - 256)
+            fold_global_scale_into_blockscale_(
+                getattr(layer, name), factor.reshape(scale_2.shape),
+                max_transient_bytes=cap, progress=state.progress_of(key),
+            )  # fmt: skip
+        if bool((target != 1).any()):
+            state.folds[name] = target
+        else:
+            state.folds.pop(name, None)
+        if after is not None:
+            state.global_scales.setdefault(name_2, loaded)
+            after = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
+            scale_2.copy_(after.expand_as(loaded).reshape(scale_2.shape))
+
+    def _bind_prepared(self, layer: torch.nn.Module) -> None:
+        """The kernel's views of a prepared layer's parameters (no copy)."""
+        qc = self.quant_config
+        moe = self.moe_config
+        e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
+        inter = moe.intermediate_size_per_partition
+        # The config holds the swizzled scales; the kernel reads them through
+        # MMA-layout views (no copy).
+        qc.w1_scale = layer.w13_weight_scale
+        qc.w2_scale = layer.w2_weight_scale
+        self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
+        self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
+        qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
+        qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
+        # The kernel quantizes the FC2 input dynamically: its global scale
+        # is 1. Upstream hands the kernel the config's FC2 input scale
+        # filled with 1; without one, a new [E] tensor of ones.
+        if qc.a2_gscale is not None:
+            qc.a2_gscale.fill_(1.0)
+            self._fc2_input_scale = qc.a2_gscale
+        else:
+            self._fc2_input_scale = torch.ones(
+                e, dtype=torch.float32, device=layer.w13_weight.device
+            )
+
+    def _drop_prepared(self) -> None:
+        qc = self.quant_config
+        qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
+        self.w1_sf_mma = self.w2_sf_mma = None
+        self._fc2_input_scale = None
+
     def _recorded(self, layer, state, steps):
         """The last of ``steps`` as a recorded step: runs every step of
         ``steps`` not yet done (in order), records each, and marks the layer
         PREPARED after ``finalize``. Validation runs while the layer is still
-        LOADING: a ValueError leaves it loadable and untouched."""
+        LOADING: a ValueError leaves it loadable and untouched. Holds the
+        layer's lock."""
 
         def step() -> None:
-            if state.status is PrepStatus.PREPARED:
-                state.check_unchanged(layer)
-                return
-            if state.status is PrepStatus.RESTORING:
-                self.restore_load_layout(layer)
-            if state.status is PrepStatus.LOADING:
-                name, validate = steps[0]
-                validate()
-                state.begin(PrepStatus.PREPARING)
-                state.done.append(name)
-            for name, fn in steps:
-                if name not in state.done:
-                    fn()
+            with state.lock:
+                if state.status is PrepStatus.PREPARED:
+                    state.check_unchanged(layer)
+                    return
+                if state.status is PrepStatus.RESTORING:
+                    self.restore_load_layout(layer)
+                if state.status is PrepStatus.LOADING:
+                    state.check_not_torn()
+                    check_load_layout(layer, self.moe_config)
+                    name, validate = steps[0]
+                    validate()
+                    state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+                    state.begin(PrepStatus.PREPARING)
                     state.done.append(name)
-            if steps[-1][0] == "finalize":
-                state.status = PrepStatus.PREPARED
-                state.record_versions(layer)
+                for name, fn in steps:
+                    if name not in state.done:
+                        fn()
+                        state.done.append(name)
+                if steps[-1][0] == "finalize":
+                    state.status = PrepStatus.PREPARED
+                    state.plans = {}
+                    state.writes_since_prepared = False
+                    state.record_prepared(layer)
 
         return step
 
     def restore_load_layout(self, layer: torch.nn.Module) -> None:
-        """Return a prepared (or partly prepared) layer to the layout
-        ``weight_loader`` writes, in place and within the cap, so that new
-        weights can be loaded into it (RL weight updates, sleep-mode wake-up).
+        """Return the layer, from any state, to the layout ``weight_loader``
+        writes, in place and within the cap, so that new weights can be
+        loaded into it (RL weight updates, sleep-mode wake-up).
 
-        A partly prepared layer is first prepared to the end (resumed). Then
-        the swizzled scales are unswizzled in place and their parameters
-        become linear [E, R, C] views of the same storage. The reorder is kept
-        (``w13_loaded_as_w3w1`` stays set: the loader writes up_proj first)
-        and so is a fold (folded block scales with global scale 1 are a valid
-        load layout). The kernel's views and ``_fc2_input_scale`` are dropped:
-        ``forward`` refuses until the layer is prepared again. Resumable after
-        an exception like the preparation.
+        A step of an interrupted preparation that had started is finished (a
+        step never started is not run: a preparation that failed, e.g. on a
+        cap too small, does not block a reload); then the steps done are
+        undone: the swizzled scales are unswizzled in place (their
+        parameters become linear [E, R, C] views of the same storage), a
+        reorder is undone when the layer was loaded as [w1; w3], and the
+        global scale parameters get their loaded values back. A fold stays
+        (``weight_prep_state.folds`` records it; the next preparation folds
+        only what changed). The kernel's views are dropped: ``forward``
+        refuses until the layer is prepared again. Resumable after an
+        exception like the preparation.
+
+        Where the bytes cannot be trusted (parameters modified, replaced or
+        converted since the preparation, e.g. ``layer.to(torch.bfloat16)``)
+        or the exact restore fails, the parameters get the load layout's
+        shapes and dtypes (reusing their storage where it fits) and the
+        layer is marked torn: preparing it is refused until a complete
+        reload. Holds the layer's lock.
         """
         state = get_prep_state(layer)
-        if state.status is PrepStatus.LOADING:
-            return
+        with state.lock:
+            if state.status is PrepStatus.LOADING:
+                if not load_layout_ok(layer, self.moe_config):
+                    self._reset(layer, state, "parameters were replaced or converted")
+                return
+            changed = (
+                state.changed(layer) if state.status is PrepStatus.PREPARED else {}
+            )
+            if changed:
+                self._reset(layer, state, f"parameters changed after the "
+                            f"preparation: {sorted(changed)}")  # fmt: skip
+                return
+            try:
+                self._restore(layer, state)
+            except Exception as err:  # noqa: BLE001 - the layer is reset, torn
+                logger.warning("restoring the MoE layer's load layout failed (%s); "
+                               "the layer needs a complete reload", err)  # fmt: skip
+                self._reset(layer, state, f"restoring the load layout failed: {err}")
+
+    def _restore(self, layer: torch.nn.Module, state) -> None:
         if state.status is PrepStatus.PREPARING:
-            self.process_weights_after_loading(layer)
-        if state.status is PrepStatus.PREPARED:
+            for name, step in self.preparation_steps(layer):
+                if name not in state.done:
+                    if state.started(name):
+                        step()  # finish the step in flight (its cap was accepted)
+                    break
+        if state.status in (PrepStatus.PREPARING, PrepStatus.PREPARED):
+            undo = list(state.done)
             state.begin(PrepStatus.RESTORING)
+            state.undo = undo
+        self._drop_prepared()
         cap = self.max_transient_bytes
         with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
             for prefix in ("w13", "w2"):
                 name = f"{prefix}_weight_scale"
                 step = f"unswizzle.{name}"
-                if step in state.done:
+                if "swizzle" not in state.undo or step in state.done:
                     continue
                 n_e, r, c = self._scale_geometry(prefix)
-                scale = getattr(layer, name)
-                if (
-                    tuple(scale.shape) != (n_e, r, c)
-                    or not state.progress_of(step).complete
-                ):
-                    linear = unswizzle_blockscale_bounded_(
-                        scale, r, c, max_transient_bytes=cap,
-                        progress=state.progress_of(step),
-                    )  # fmt: skip
-                    _replace_parameter(layer, name, linear)
+                linear = unswizzle_blockscale_bounded_(
+                    getattr(layer, name), r, c, max_transient_bytes=cap,
+                    progress=state.progress_of(step),
+                )  # fmt: skip
+                _replace_parameter(layer, name, linear)
                 state.done.append(step)
-        qc = self.quant_config
-        qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
-        self.w1_sf_mma = self.w2_sf_mma = None
-        self._fc2_input_scale = None
+            if (
+                self.moe_config.is_act_and_mul
+                and "unreorder" not in state.done
+                and getattr(layer, "w13_loaded_as_w3w1", False) != state.load_w3w1
+            ):
+                # Back to the [w1; w3] the layer was loaded with: a loader
+                # copying checkpoint-layout tensors finds them where it wrote.
+                reorder_w1w3_to_w3w1(
+                    layer.w13_weight, layer.w13_weight_scale, dim=-2,
+                    max_transient_bytes=cap, progress=state.progress_of("unreorder"),
+                )  # fmt: skip
+                layer.w13_loaded_as_w3w1 = bool(state.load_w3w1)
+                state.done.append("unreorder")
+            for name_2, loaded in state.global_scales.items():
+                param = getattr(layer, name_2)
+                param.copy_(loaded.reshape(param.shape))
+        state.global_scales = {}
+        state.undo = []
         state.begin(PrepStatus.LOADING)
+
+    def _reset(self, layer: torch.nn.Module, state, reason: str) -> None:
+        """The load layout's shapes and dtypes, whatever the bytes; torn."""
+        self._drop_prepared()
+        for name, (shape, dtype) in nvfp4_moe_param_specs(self.moe_config).items():
+            param = getattr(layer, name)
+            if param.dtype == dtype and tuple(param.shape) == shape:
+                continue
+            with torch.device(param.device):
+                if name.endswith("_weight_scale") and self.swizzles_block_scales:
+                    if param.dtype == dtype and state.has_storage_room(name, param):
+                        data = torch.empty(0, dtype=dtype).set_(
+                            param.untyped_storage(), 0, shape)  # fmt: skip
+                    else:
+                        data = blockscale_storage_for_swizzle(*shape)
+                        state.record_storage_room(name, data)
+                elif dtype == torch.float32:
+                    data = torch.ones(shape, dtype=dtype)
+                else:
+                    data = torch.zeros(shape, dtype=dtype)
+            _replace_parameter(layer, name, data)
+        if state.load_w3w1 is not None:
+            layer.w13_loaded_as_w3w1 = state.load_w3w1
+        state.begin(PrepStatus.LOADING)
+        state.undo, state.folds, state.global_scales = [], {}, {}
+        state.fingerprints, state.checksums = {}, {}
+        state.writes_since_prepared = False
+        state.mark_torn(reload_slots(self.moe_config), reason)
 
     def _check_prepared(self) -> None:
         if self._fc2_input_scale is None:
