@@ -25,17 +25,17 @@ from vllm.model_executor.layers.fused_moe.experts import get_nvfp4_experts_class
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
+    adopt_extra_state,
     get_prep_state,
-    nvfp4_moe_param_specs,
+    layout_extra_state,
     reload_slots,
+    state_dict_problem,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     check_blockscale_values,
 )
 
 __all__ = ["FusedMoE"]
-
-_EXTRA_STATE_FORMAT = 1
 
 
 class FusedMoE(torch.nn.Module):
@@ -451,51 +451,19 @@ class FusedMoE(torch.nn.Module):
 
     def get_extra_state(self) -> dict:
         """The layout of the parameters' bytes, saved in ``state_dict()``
-        beside them: a state dict says whether it is prepared, how w13 is
-        ordered, what is folded into the block scales."""
-        state = get_prep_state(self)
-        with state.lock:
-            if state.status in (PrepStatus.PREPARING, PrepStatus.RESTORING):
-                raise RuntimeError(
-                    "state_dict() of a MoE layer whose preparation or restore was "
-                    "interrupted: call process_weights_after_loading first"
-                )
-            return {
-                "format": _EXTRA_STATE_FORMAT,
-                "status": state.status.value,
-                "w13_loaded_as_w3w1": bool(self.w13_loaded_as_w3w1),
-                "load_w3w1": state.load_w3w1,
-                "moe_backend": self.moe_backend,
-                "global_scale_mode": self._global_scale_mode(),
-                "folds": {k: v.clone() for k, v in state.folds.items()},
-                "global_scales": {k: v.clone() for k, v in state.global_scales.items()},
-                "torn": {k: v.clone() for k, v in state.torn.items()},
-                "torn_reason": state.torn_reason,
-            }
+        beside them (see ``weight_prep_state.layout_extra_state``)."""
+        return layout_extra_state(self)
 
     def set_extra_state(self, extra: Any) -> None:
         # Called by Module._load_from_state_dict after the parameters were
         # copied; _load_from_state_dict below checked ``extra`` first.
-        state = get_prep_state(self)
-        self.w13_loaded_as_w3w1 = extra["w13_loaded_as_w3w1"]
-        state.load_w3w1 = extra["load_w3w1"]
-        state.folds = {k: v.clone() for k, v in extra["folds"].items()}
-        state.global_scales = {k: v.clone() for k, v in extra["global_scales"].items()}
-        state.torn = {k: v.clone() for k, v in extra["torn"].items()}
-        state.torn_reason = extra["torn_reason"]
-        state.writes_since_prepared = False
-        if state.status is PrepStatus.PREPARED:
-            self.quant_method.experts._bind_prepared(self)
-            state.record_prepared(self)
-
-    def _global_scale_mode(self) -> str | None:
-        return getattr(self.quant_method.experts, "effective_global_scale_mode", None)
+        adopt_extra_state(self, extra)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):  # fmt: skip
         state = get_prep_state(self)
         with state.lock:
-            problem = self._state_dict_problem(state_dict, prefix, state)
+            problem = state_dict_problem(self, state_dict, prefix)
             if problem:
                 error_msgs.append(f"FusedMoE {prefix or '(root)'}: {problem}")
                 return
@@ -506,44 +474,6 @@ class FusedMoE(torch.nn.Module):
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                           missing_keys, unexpected_keys,
                                           error_msgs)  # fmt: skip
-
-    def _state_dict_problem(self, state_dict, prefix, state) -> str | None:
-        """Why ``state_dict`` cannot be loaded into this layer (nothing is
-        written then), or None."""
-        extra = state_dict.get(prefix + "_extra_state")
-        if not isinstance(extra, dict) or extra.get("format") != _EXTRA_STATE_FORMAT:
-            return (
-                "the state dict carries no preparation layout (_extra_state): "
-                "whether its bytes are prepared cannot be told, so it is refused"
-            )
-        if extra["status"] not in ("loading", "prepared"):
-            return f"unknown layout status {extra['status']!r}"
-        for key in ("moe_backend", "global_scale_mode"):
-            mine = (
-                self.moe_backend if key == "moe_backend" else self._global_scale_mode()
-            )
-            if extra["status"] == "prepared" and extra[key] != mine:
-                return f"prepared with {key} {extra[key]!r}, this layer has {mine!r}"
-        if extra["status"] == "prepared" and state.status is not PrepStatus.PREPARED:
-            return (
-                "a prepared state dict loads only into a prepared layer (its bytes "
-                "are in the kernel layout): call process_weights_after_loading on "
-                "this layer first, or save the state dict before preparing"
-            )
-        specs = None
-        if extra["status"] == "loading":
-            specs = nvfp4_moe_param_specs(self.moe_config)
-        for name, param in self.named_parameters(recurse=False):
-            t = state_dict.get(prefix + name)
-            if t is None:
-                return f"{prefix + name} is missing"
-            want = specs[name] if specs else (tuple(param.shape), param.dtype)
-            if (tuple(t.shape), t.dtype) != (tuple(want[0]), want[1]):
-                return (
-                    f"{prefix + name} is {t.dtype} {tuple(t.shape)}, expected "
-                    f"{want[1]} {tuple(want[0])}"
-                )
-        return None
 
 
 def _resolve_parallelism(tp_rank, tp_size, ep_rank, ep_size, enable_ep):

@@ -49,6 +49,12 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
+    fold_to,
+    replace_parameter,
+    reset_load_layout,
+    restore_exactly,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Support,
@@ -58,18 +64,13 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     check_load_layout,
     get_prep_state,
     load_layout_ok,
-    nvfp4_moe_param_specs,
-    reload_slots,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-    blockscale_storage_for_swizzle,
     check_blockscale_values,
-    fold_global_scale_into_blockscale_,
     moe_prep_threads,
     reorder_w1w3_to_w3w1,
     swizzle_blockscale_bounded,
-    unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
@@ -129,15 +130,6 @@ def is_flashinfer_b12x_moe_available() -> Support:
     """The one gate of the b12x kernel: SM120/121, CUDA 13+, flashinfer's
     ``b12x_fused_moe`` importable. Truthy, or falsy with the reason."""
     return _flashinfer_b12x_support()
-
-
-def _replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
-    """Make ``value`` (e.g. a padded view of the same storage) the data of the
-    parameter ``name``. The Parameter object stays the same, so references
-    taken before (a loader's ``dict(named_parameters())``) stay valid."""
-    param = getattr(layer, name)
-    if value is not param:
-        param.data = value
 
 
 def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
@@ -315,7 +307,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
                     target, after = torch.ones_like(loaded), None  # undo a fold
                 else:
                     continue
-                self._fold_to(layer, state, prefix, target, after)
+                fold_to(self, layer, state, prefix, target, after)
 
         @torch.no_grad()
         def reorder() -> None:
@@ -345,7 +337,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 ):
                     # A new padded result: made for the padded layout.
                     state.record_storage_room(name, swizzled)
-                _replace_parameter(layer, name, swizzled)
+                replace_parameter(layer, name, swizzled)
 
         @torch.no_grad()
         def finalize() -> None:
@@ -357,37 +349,6 @@ class FlashInferB12xExperts(FusedMoEExperts):
             (name, self._recorded(layer, state, steps[: i + 1]))
             for i, (name, _) in enumerate(steps)
         ]
-
-    def _fold_to(self, layer, state, prefix: str, target, after) -> None:
-        """Bring ``{prefix}_weight_scale`` to ``target`` [E, G] folded in (from
-        what ``state.folds`` says is folded now), then set the global scale
-        parameter to ``after`` (kept as loaded in ``state.global_scales``).
-        Resumable: the plan is made once per preparation."""
-        name, name_2 = f"{prefix}_weight_scale", f"{prefix}_weight_scale_2"
-        key = f"fold.{prefix}"
-        scale_2 = getattr(layer, name_2)
-        plan = state.plans.get(key)
-        if plan is None:
-            loaded = scale_2.detach().reshape(scale_2.shape[0], -1).clone()
-            now = state.folds.get(name)
-            factor = target / now if now is not None else target.clone()
-            plan = state.plans[key] = (loaded, factor, target.clone())
-        loaded, factor, target = plan
-        if bool((factor != 1).any()):
-            # The plan's [E, G] float32 tensors count against the cap too.
-            cap = max(4, self.max_transient_bytes - 4 * factor.numel() * 4 - 256)
-            fold_global_scale_into_blockscale_(
-                getattr(layer, name), factor.reshape(scale_2.shape),
-                max_transient_bytes=cap, progress=state.progress_of(key),
-            )  # fmt: skip
-        if bool((target != 1).any()):
-            state.folds[name] = target
-        else:
-            state.folds.pop(name, None)
-        if after is not None:
-            state.global_scales.setdefault(name_2, loaded)
-            after = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
-            scale_2.copy_(after.expand_as(loaded).reshape(scale_2.shape))
 
     def _bind_prepared(self, layer: torch.nn.Module) -> None:
         """The kernel's views of a prepared layer's parameters (no copy)."""
@@ -482,95 +443,25 @@ class FlashInferB12xExperts(FusedMoEExperts):
         with state.lock:
             if state.status is PrepStatus.LOADING:
                 if not load_layout_ok(layer, self.moe_config):
-                    self._reset(layer, state, "parameters were replaced or converted")
+                    reset_load_layout(
+                        self, layer, state, "parameters were replaced or converted"
+                    )
                 return
             changed = (
                 state.changed(layer) if state.status is PrepStatus.PREPARED else {}
             )
             if changed:
-                self._reset(layer, state, f"parameters changed after the "
-                            f"preparation: {sorted(changed)}")  # fmt: skip
+                why = f"parameters changed after the preparation: {sorted(changed)}"
+                reset_load_layout(self, layer, state, why)
                 return
             try:
-                self._restore(layer, state)
+                restore_exactly(self, layer, state)
             except Exception as err:  # noqa: BLE001 - the layer is reset, torn
                 logger.warning("restoring the MoE layer's load layout failed (%s); "
                                "the layer needs a complete reload", err)  # fmt: skip
-                self._reset(layer, state, f"restoring the load layout failed: {err}")
-
-    def _restore(self, layer: torch.nn.Module, state) -> None:
-        if state.status is PrepStatus.PREPARING:
-            for name, step in self.preparation_steps(layer):
-                if name not in state.done:
-                    if state.started(name):
-                        step()  # finish the step in flight (its cap was accepted)
-                    break
-        if state.status in (PrepStatus.PREPARING, PrepStatus.PREPARED):
-            undo = list(state.done)
-            state.begin(PrepStatus.RESTORING)
-            state.undo = undo
-        self._drop_prepared()
-        cap = self.max_transient_bytes
-        with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
-            for prefix in ("w13", "w2"):
-                name = f"{prefix}_weight_scale"
-                step = f"unswizzle.{name}"
-                if "swizzle" not in state.undo or step in state.done:
-                    continue
-                n_e, r, c = self._scale_geometry(prefix)
-                linear = unswizzle_blockscale_bounded_(
-                    getattr(layer, name), r, c, max_transient_bytes=cap,
-                    progress=state.progress_of(step),
-                )  # fmt: skip
-                _replace_parameter(layer, name, linear)
-                state.done.append(step)
-            if (
-                self.moe_config.is_act_and_mul
-                and "unreorder" not in state.done
-                and getattr(layer, "w13_loaded_as_w3w1", False) != state.load_w3w1
-            ):
-                # Back to the [w1; w3] the layer was loaded with: a loader
-                # copying checkpoint-layout tensors finds them where it wrote.
-                reorder_w1w3_to_w3w1(
-                    layer.w13_weight, layer.w13_weight_scale, dim=-2,
-                    max_transient_bytes=cap, progress=state.progress_of("unreorder"),
-                )  # fmt: skip
-                layer.w13_loaded_as_w3w1 = bool(state.load_w3w1)
-                state.done.append("unreorder")
-            for name_2, loaded in state.global_scales.items():
-                param = getattr(layer, name_2)
-                param.copy_(loaded.reshape(param.shape))
-        state.global_scales = {}
-        state.undo = []
-        state.begin(PrepStatus.LOADING)
-
-    def _reset(self, layer: torch.nn.Module, state, reason: str) -> None:
-        """The load layout's shapes and dtypes, whatever the bytes; torn."""
-        self._drop_prepared()
-        for name, (shape, dtype) in nvfp4_moe_param_specs(self.moe_config).items():
-            param = getattr(layer, name)
-            if param.dtype == dtype and tuple(param.shape) == shape:
-                continue
-            with torch.device(param.device):
-                if name.endswith("_weight_scale") and self.swizzles_block_scales:
-                    if param.dtype == dtype and state.has_storage_room(name, param):
-                        data = torch.empty(0, dtype=dtype).set_(
-                            param.untyped_storage(), 0, shape)  # fmt: skip
-                    else:
-                        data = blockscale_storage_for_swizzle(*shape)
-                        state.record_storage_room(name, data)
-                elif dtype == torch.float32:
-                    data = torch.ones(shape, dtype=dtype)
-                else:
-                    data = torch.zeros(shape, dtype=dtype)
-            _replace_parameter(layer, name, data)
-        if state.load_w3w1 is not None:
-            layer.w13_loaded_as_w3w1 = state.load_w3w1
-        state.begin(PrepStatus.LOADING)
-        state.undo, state.folds, state.global_scales = [], {}, {}
-        state.fingerprints, state.checksums = {}, {}
-        state.writes_since_prepared = False
-        state.mark_torn(reload_slots(self.moe_config), reason)
+                reset_load_layout(
+                    self, layer, state, f"restoring the load layout failed: {err}"
+                )
 
     def _check_prepared(self) -> None:
         if self._fc2_input_scale is None:
