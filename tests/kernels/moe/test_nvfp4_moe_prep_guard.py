@@ -375,9 +375,11 @@ def test_reload_after_a_failed_preparation():
     layer.quant_method.experts.max_transient_bytes = 2048  # the fold refuses it
     with pytest.raises(ValueError, match="max_transient_bytes"):
         _prepare(layer)
-    _load_through_loader(layer, new)  # no re-run of the failing preparation
+    # A partial reload: no re-run of the failing preparation, and the
+    # experts not reloaded keep their bytes (the layer is not torn).
+    _load_through_loader(layer, new, experts=[1])
     layer.quant_method.experts.max_transient_bytes = CAP
-    want = _fresh(shape, new, global_scale_mode="fold")
+    want = _fresh(shape, _mixed(old, new, [1]), global_scale_mode="fold")
     _assert_same(_snapshot(_prepare(layer)), _snapshot(want))
 
 

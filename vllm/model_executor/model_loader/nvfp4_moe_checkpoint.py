@@ -13,6 +13,14 @@ Two on-disk conventions are understood:
   ``weight_scale``, ``weight_global_scale`` and ``input_global_scale``, the
   global scales in the QUANTIZATION direction; they are inverted on load.
 
+Each MoE layer is W4A4 (NVFP4 activations too) or W4A16 (weight-only, BF16
+activations), as the config declares it: ModelOpt ``quant_algo`` ``NVFP4`` /
+``W4A16_NVFP4``, or ``MIXED_PRECISION`` with per-module ``quantized_layers``;
+compressed-tensors config groups with ``input_activations: null`` for W4A16
+(:mod:`~vllm.model_executor.model_loader.nvfp4_moe_quant_modes`).
+:meth:`NVFP4MoECheckpoint.quant_config` gives the config to build each
+layer with; a W4A16 layer's input scales, if a file has them, are not read.
+
 Expert tensors are named ``<prefix>.layers.<L>.<mlp|mixer>.experts.<e>.<proj>.
 <suffix>`` with ``proj`` in gate_proj (w1), up_proj (w3; w1 for non-gated
 experts) and down_proj (w2). Tensors are streamed one at a time with
@@ -38,6 +46,12 @@ from tqdm import tqdm
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     global_scale_from_compressed_tensors,
     global_scale_to_modelopt,
+)
+from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
+    W4A16,
+    ExpertModes,
+    compressed_tensors_expert_modes,
+    modelopt_expert_modes,
 )
 
 __all__ = ["MODELOPT", "COMPRESSED_TENSORS", "NVFP4MoECheckpoint"]
@@ -121,18 +135,15 @@ def _get_dict(d: dict, key: str, path: Path, default: dict | None = None) -> dic
     return value
 
 
-def detect_nvfp4_format(model_dir: Path) -> str:
-    """``MODELOPT`` or ``COMPRESSED_TENSORS``; ValueError naming the file and
-    the algorithm when the checkpoint is not NVFP4."""
+def detect_nvfp4_format(model_dir: Path) -> tuple[str, ExpertModes]:
+    """``(MODELOPT or COMPRESSED_TENSORS, the experts' declared modes)``;
+    ValueError naming the file and key when the checkpoint is not NVFP4 (W4A4
+    or W4A16) or its declaration is malformed (see
+    :mod:`~vllm.model_executor.model_loader.nvfp4_moe_quant_modes`)."""
     hf_quant = model_dir / "hf_quant_config.json"
     if hf_quant.exists() or hf_quant.is_symlink():
         quant = _get_dict(_read_json(hf_quant), "quantization", hf_quant, {})
-        algo = quant.get("quant_algo")
-        if str(algo).upper() != "NVFP4":
-            raise ValueError(
-                f"{hf_quant}: unsupported ModelOpt quant_algo {algo!r} (expected NVFP4)"
-            )
-        return MODELOPT
+        return MODELOPT, modelopt_expert_modes(quant, hf_quant, "quantization")
     config_path = model_dir / "config.json"
     if not (config_path.exists() or config_path.is_symlink()):
         raise ValueError(f"{model_dir}: no config.json")
@@ -144,25 +155,14 @@ def detect_nvfp4_format(model_dir: Path) -> str:
     qc = _get_dict(config, "quantization_config", config_path)
     method = qc.get("quant_method")
     if method == "modelopt":
-        nested = _get_dict(qc, "quantization", config_path, {})
-        algo = qc.get("quant_algo", nested.get("quant_algo"))
-        if str(algo).upper() != "NVFP4":
-            raise ValueError(
-                f"{config_path}: unsupported ModelOpt quant_algo {algo!r} "
-                "(expected NVFP4)"
-            )
-        return MODELOPT
+        key = "quantization_config"
+        if "quant_algo" not in qc and "quantization" in qc:
+            qc = _get_dict(qc, "quantization", config_path)
+            key += ".quantization"
+        return MODELOPT, modelopt_expert_modes(qc, config_path, key)
     if method == "compressed-tensors":
-        groups = _get_dict(qc, "config_groups", config_path, {})
-        formats = {qc.get("format")}
-        for name in groups:
-            formats.add(_get_dict(groups, name, config_path).get("format"))
-        if "nvfp4-pack-quantized" in formats:
-            return COMPRESSED_TENSORS
-        raise ValueError(
-            f"{config_path}: unsupported compressed-tensors format "
-            f"{sorted(str(f) for f in formats if f)} (expected nvfp4-pack-quantized)"
-        )
+        modes = compressed_tensors_expert_modes(qc, config_path, "quantization_config")
+        return COMPRESSED_TENSORS, modes
     raise ValueError(f"{config_path}: unsupported quantization method {method!r}")
 
 
@@ -188,7 +188,7 @@ class NVFP4MoECheckpoint:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ValueError(f"{self.model_dir}: not a directory")
-        self.format = detect_nvfp4_format(self.model_dir)
+        self.format, declared = detect_nvfp4_format(self.model_dir)
         config_path = self.model_dir / "config.json"
         config = _read_json(config_path)
         self.config = config
@@ -206,6 +206,7 @@ class NVFP4MoECheckpoint:
         if not self._experts:
             raise ValueError(f"{self.model_dir}: no routed-expert tensors found")
         self._check_geometry()
+        self._quant_modes = self._resolve_quant_modes(declared)
 
     # -- geometry ---------------------------------------------------------------
     def _cfg(self, *keys: str) -> int:
@@ -284,6 +285,37 @@ class NVFP4MoECheckpoint:
     def moe_layers(self) -> list[int]:
         """Indices of the decoder layers that hold routed experts."""
         return sorted(self._experts)
+
+    # -- quantization mode ------------------------------------------------------
+    def _resolve_quant_modes(self, declared: ExpertModes) -> dict[int, str]:
+        """Each MoE layer's mode from the config's declaration, resolved for
+        the layer's experts module and every expert linear in the files."""
+        modes = {}
+        for layer_idx, tensors in self._experts.items():
+            linears = {t.name.rsplit(".", 1)[0] for t in tensors}
+            module = tensors[0].name.split(".experts.")[0] + ".experts"
+            modes[layer_idx] = declared.mode_of(module, linears)
+        return modes
+
+    def quant_mode(self, layer_idx: int) -> str:
+        """``"w4a4"`` or ``"w4a16"``: what the checkpoint declares for the
+        experts of MoE layer ``layer_idx``."""
+        if layer_idx not in self._quant_modes:
+            raise ValueError(
+                f"{self.model_dir}: layer {layer_idx} has no routed experts; MoE "
+                f"layers are {self.moe_layers}"
+            )
+        return self._quant_modes[layer_idx]
+
+    def quant_config(self, layer_idx: int):
+        """A ``ModelOptNvFp4Config`` with the ``quant_mode`` the checkpoint
+        declares for MoE layer ``layer_idx`` (a new object per call): what a
+        ``FusedMoE`` for that layer is built with before ``load_layer``."""
+        from vllm.model_executor.layers.quantization.modelopt import (
+            ModelOptNvFp4Config,
+        )
+
+        return ModelOptNvFp4Config(quant_mode=self.quant_mode(layer_idx))
 
     # -- reading ------------------------------------------------------------------
     def _weight_map(self) -> dict[str, str]:
@@ -374,6 +406,10 @@ class NVFP4MoECheckpoint:
         direction whatever the format."""
         found = self._check_layer(layer_idx)
         suffixes = _SUFFIXES[self.format]
+        if self.quant_mode(layer_idx) == W4A16:
+            # Weight-only: activations stay BF16; an input scale some exports
+            # carry is not read at all.
+            suffixes = {k: v for k, v in suffixes.items() if v[0] != "input_scale"}
         by_file: dict[str, list[tuple[int, str, str, str]]] = defaultdict(list)
         for (e, proj, suffix), name in found.items():
             if suffix in suffixes and (experts is None or e in experts):
@@ -419,6 +455,18 @@ class NVFP4MoECheckpoint:
             raise ValueError(
                 f"{self.model_dir}: config.json has {self.num_experts} experts, the "
                 f"layer {layer.global_num_experts}"
+            )
+        mode = self.quant_mode(layer_idx)
+        layer_mode = getattr(
+            getattr(getattr(layer, "quant_method", None), "quant_config", None),
+            "quant_mode",
+            None,
+        )
+        if layer_mode != mode:
+            raise ValueError(
+                f"{self.model_dir}: layer {layer_idx}'s experts are {mode}, the "
+                f"layer is built for {layer_mode}: build it with "
+                f"quant_config=checkpoint.quant_config({layer_idx})"
             )
         gated = layer.activation.is_gated
         if gated != (self.activation == "silu"):

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     reload_slots,
     state_dict_problem,
 )
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 import vllm.envs as envs
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
 )
 

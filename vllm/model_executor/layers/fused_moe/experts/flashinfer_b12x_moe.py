@@ -65,12 +65,18 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     get_prep_state,
     load_layout_ok,
 )
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    DEFAULT_MAX_TRANSIENT_BYTES,
+from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
-    moe_prep_threads,
-    reorder_w1w3_to_w3w1,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,

@@ -15,12 +15,18 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     nvfp4_moe_param_specs,
     reload_slots,
 )
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    blockscale_storage_for_swizzle,
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
-    moe_prep_threads,
-    reorder_w1w3_to_w3w1,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
+    blockscale_storage_for_swizzle,
     unswizzle_blockscale_bounded_,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
 )
 
 __all__ = ["fold_to", "replace_parameter", "reset_load_layout", "restore_exactly"]
