@@ -112,7 +112,7 @@ def two_ranks(checkpoint):
     ckpt = NVFP4MoECheckpoint(checkpoint)
     reference = {k: _run(ckpt, x, logits, k)[1] for k in (2, 4)}
     results = spawn_workers(_worker, 2, args=(str(checkpoint), x, logits),
-                            timeout_s=120, deadline_s=120)  # fmt: skip
+                            timeout_s=600, deadline_s=600)  # fmt: skip
     return results, reference
 
 
@@ -271,7 +271,7 @@ def test_ranks_that_disagree_are_refused_on_every_rank(checkpoint):
     logits = torch.randn(8, E, generator=gen)
     reference = _run(NVFP4MoECheckpoint(checkpoint), x, logits, 2)[1]
     results = spawn_workers(_disagreeing_worker, 2, args=(str(checkpoint), x, logits),
-                            timeout_s=120, deadline_s=120)  # fmt: skip
+                            timeout_s=600, deadline_s=600)  # fmt: skip
     for rank, out in enumerate(results):
         assert "enable_expert_parallel: rank 0 has 1, rank 1 has 0" in out[
             "ep_on_rank0"], (rank, out["ep_on_rank0"])  # fmt: skip
