@@ -138,7 +138,7 @@ def test_differing_gate_up_scales_are_exact_in_alpha_mode(tmp_path, fmt, std):
                                  ratios=UP_GATE_RATIOS)  # fmt: skip
     layer = _prepared(ckpt, "alpha")
     # The checkpoint has the ratios asked for (BF16 rounding of the amax:
-    # <= 2^-8 relative); columns are [up, gate] once prepared ([w3; w1]).
+    # <= 2^-8 relative); columns [w3, w1] as the loader placed them.
     s2 = layer.w13_weight_scale_2
     ratio = s2[:, 0] / s2[:, 1]
     want = torch.tensor([UP_GATE_RATIOS[e % 2] for e in range(E)])

@@ -19,7 +19,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import get_prep_stat
 
 E, H, I, TOPK = 4, 256, 128, 2  # noqa: E741
 STEPS = ["validate", "fold", "reorder", "swizzle", "finalize"]
-RESTORE_STEPS = ["unswizzle.w13_weight_scale", "unswizzle.w2_weight_scale"]
 
 
 def _loaded_layer(device, cap=4096):
@@ -44,9 +43,6 @@ def test_each_step_waits_once_before_it_is_recorded(monkeypatch):
     # One wait per step, each before its step is in ``done``.
     assert [done for _, done in seen] == [STEPS[:i] for i in range(len(STEPS))]
     assert all(device == layer.w13_weight.device for device, _ in seen)
-    seen.clear()
-    layer.quant_method.restore_load_layout(layer)
-    assert [done for _, done in seen] == [[], RESTORE_STEPS[:1]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -61,6 +57,3 @@ def test_cuda_preparation_synchronizes_once_per_step(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", counting)
     layer.quant_method.process_weights_after_loading(layer)
     assert len(count) == len(STEPS)
-    count.clear()
-    layer.quant_method.restore_load_layout(layer)
-    assert len(count) == len(RESTORE_STEPS)

@@ -82,7 +82,7 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
 
     ``mode="fold"``: every global scale folded into the block scales, then 1.
     ``mode="alpha"``: every block scale as loaded (reordered and swizzled
-    only). The [E, 2] global scales' columns follow the rows ([w3; w1]).
+    only). The [E, 2] global scales stay as loaded.
     Also the kernel's alphas: ``g1_alphas`` = the gate's (w1's) global
     scale, ``g2_alphas`` = w2's times s_w3 / s_w1 (1 and 1 after a fold)."""
     s13, s2 = t["w13_weight_scale"].cpu(), t["w2_weight_scale"].cpu()
@@ -96,7 +96,6 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
     w13 = t["w13_weight"].cpu()
     if gated:
         w13, s13 = split_cat_halves(w13, -2), split_cat_halves(s13, -2)
-        g13 = g13.flip(1)
     return {
         "w13_weight": w13,
         "w13_weight_scale": swizzle_blockscale(s13),

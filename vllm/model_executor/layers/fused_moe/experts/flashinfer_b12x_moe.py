@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 from collections.abc import Callable
 
 import torch
@@ -60,23 +61,27 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     make_b12x_wrapper,
     warn_fold_fallback,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
+    fold_to,
+    replace_parameter,
+    reset_load_layout,
+    restore_exactly,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Support,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
+    check_load_layout,
     get_prep_state,
+    load_layout_ok,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
-from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
-    fold_global_scale_into_blockscale_,
-)
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
-    unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
@@ -88,6 +93,8 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GLOBAL_SCALE_MODES",
@@ -142,15 +149,6 @@ def _wait_for_step(device: torch.device) -> None:
     the stream runs in order before anything queued after them.)"""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
-    """Make ``value`` (e.g. a padded view of the same storage) the data of the
-    parameter ``name``. The Parameter object stays the same, so references
-    taken before (a loader's ``dict(named_parameters())``) stay valid."""
-    param = getattr(layer, name)
-    if value is not param:
-        param.data = value
 
 
 def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
@@ -310,7 +308,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """
         # One thread setting for the whole preparation (see moe_prep_threads):
         # switching it per step would cost a thread-team restart each time.
-        with moe_prep_threads(layer.w13_weight.device):
+        with get_prep_state(layer).lock, moe_prep_threads(layer.w13_weight.device):
             for _, step in self.preparation_steps(layer):
                 step()
 
@@ -334,8 +332,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """
         cap = self.max_transient_bytes
         moe = self.moe_config
-        e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
-        inter = moe.intermediate_size_per_partition
+        e = moe.num_experts
         state = get_prep_state(layer)
         first_expert = getattr(layer, "_first_expert", 0)
 
@@ -350,22 +347,23 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
         @torch.no_grad()
         def fold() -> None:
-            if self.effective_global_scale_mode == "fold":
-                # Upstream's contract: each expert's global scale (w1's and
-                # w3's own for w13) into its FP8 block scales; then it is 1.
-                for name in ("w13", "w2"):
-                    scale_2 = getattr(layer, f"{name}_weight_scale_2")
-                    fold_global_scale_into_blockscale_(
-                        getattr(layer, f"{name}_weight_scale"), scale_2,
-                        max_transient_bytes=cap,
-                        progress=state.progress_of(f"fold.{name}"),
-                    )  # fmt: skip
-                    scale_2.fill_(1.0)  # idempotent: a resumed fold skips here
-                return
-            # "alpha": no block scale is ever rewritten. The global scales
-            # stay as loaded and become the kernel's alphas in finalize; an
-            # expert whose gate and up global scales differ carries the ratio
-            # s_up / s_gate in its FC2 alpha (see _kernel_alphas).
+            mode = self.effective_global_scale_mode
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                loaded = getattr(layer, f"{prefix}_weight_scale_2").reshape(e, -1)
+                if mode == "fold":
+                    # Upstream's contract: each expert's global scale (w1's and
+                    # w3's own for w13) into its FP8 block scales; then it is 1.
+                    target, after = loaded, 1.0
+                elif name in state.folds:
+                    target, after = torch.ones_like(loaded), None  # undo a fold
+                else:
+                    # "alpha": no block scale is rewritten. The global scales
+                    # stay as loaded and become the kernel's alphas; an expert
+                    # whose gate and up global scales differ carries the
+                    # ratio s_up / s_gate in its FC2 alpha (_kernel_alphas).
+                    continue
+                fold_to(self, layer, state, prefix, target, after)
 
         @torch.no_grad()
         def reorder() -> None:
@@ -375,13 +373,6 @@ class FlashInferB12xExperts(FusedMoEExperts):
                     layer.w13_weight, layer.w13_weight_scale, dim=-2,
                     max_transient_bytes=cap, progress=state.progress_of("reorder"),
                 )  # fmt: skip
-                # The per-row-group scalars follow their rows (column g is
-                # row group g, as the loader writes them): [E, 2], tiny.
-                for name in ("w13_weight_scale_2", "w13_input_scale"):
-                    t = getattr(layer, name, None)
-                    if t is not None and t.dim() == 2 and t.shape[1] == 2:
-                        with moe_prep_threads(t.device):  # as every step's copies
-                            t.copy_(t.flip(1))
             layer.w13_loaded_as_w3w1 = moe.is_act_and_mul
 
         @torch.no_grad()
@@ -402,30 +393,11 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 ):
                     # A new padded result: made for the padded layout.
                     state.record_storage_room(name, swizzled)
-                _replace_parameter(layer, name, swizzled)
+                replace_parameter(layer, name, swizzled)
 
         @torch.no_grad()
         def finalize() -> None:
-            qc = self.quant_config
-            # The config holds the swizzled scales; the kernel reads them
-            # through MMA-layout views (no copy).
-            qc.w1_scale = layer.w13_weight_scale
-            qc.w2_scale = layer.w2_weight_scale
-            self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
-            self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
-            qc.g1_alphas, qc.g2_alphas = self._kernel_alphas(layer)
-            # The kernel quantizes the FC2 input dynamically: its global scale
-            # is 1. Upstream hands the kernel the config's FC2 input scale
-            # filled with 1; without one, a new [E] tensor of ones.
-            ones = functools.partial(torch.ones, e, dtype=torch.float32,
-                                     device=layer.w13_weight.device)  # fmt: skip
-            if qc.a2_gscale is not None:
-                qc.a2_gscale.fill_(1.0)
-                self._fc2_input_scale = qc.a2_gscale
-            else:
-                self._fc2_input_scale = ones()
-            alpha = self.effective_global_scale_mode == "alpha"
-            self._fc1_input_scale = ones() if alpha else None
+            self._bind_prepared(layer)
 
         steps = [("validate", validate), ("fold", fold), ("reorder", reorder),
                  ("swizzle", swizzle), ("finalize", finalize)]  # fmt: skip
@@ -454,87 +426,127 @@ class FlashInferB12xExperts(FusedMoEExperts):
         s2 = layer.w2_weight_scale_2.reshape(e)
         if not moe.is_act_and_mul:
             return s13[:, 0].contiguous(), s2.contiguous()
-        # Prepared gated rows are [w3; w1]: column 0 is up, column 1 gate.
-        up_col = 0 if getattr(layer, "w13_loaded_as_w3w1", False) else 1
+        # The [E, 2] columns stay in the order the layer was loaded in
+        # (column g = row group g at load): [w3, w1] when w3 was placed first.
+        up_col = 0 if get_prep_state(layer).load_w3w1 else 1
         s_up, s_gate = s13[:, up_col], s13[:, 1 - up_col]
         return s_gate.contiguous(), s2 * (s_up / s_gate)  # x / x is exactly 1
+
+    def _bind_prepared(self, layer: torch.nn.Module) -> None:
+        """The kernel's views of a prepared layer's parameters (no copy)."""
+        qc = self.quant_config
+        moe = self.moe_config
+        e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
+        inter = moe.intermediate_size_per_partition
+        # The config holds the swizzled scales; the kernel reads them through
+        # MMA-layout views (no copy).
+        qc.w1_scale = layer.w13_weight_scale
+        qc.w2_scale = layer.w2_weight_scale
+        self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
+        self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
+        qc.g1_alphas, qc.g2_alphas = self._kernel_alphas(layer)
+        # The kernel quantizes the FC2 input dynamically: its global scale
+        # is 1. Upstream hands the kernel the config's FC2 input scale
+        # filled with 1; without one, a new [E] tensor of ones.
+        ones = functools.partial(torch.ones, e, dtype=torch.float32,
+                                 device=layer.w13_weight.device)  # fmt: skip
+        if qc.a2_gscale is not None:
+            qc.a2_gscale.fill_(1.0)
+            self._fc2_input_scale = qc.a2_gscale
+        else:
+            self._fc2_input_scale = ones()
+        alpha = self.effective_global_scale_mode == "alpha"
+        self._fc1_input_scale = ones() if alpha else None
+
+    def _drop_prepared(self) -> None:
+        qc = self.quant_config
+        qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
+        self.w1_sf_mma = self.w2_sf_mma = None
+        self._fc2_input_scale = self._fc1_input_scale = None
 
     def _recorded(self, layer, state, steps):
         """The last of ``steps`` as a recorded step: runs every step of
         ``steps`` not yet done (in order), records each, and marks the layer
         PREPARED after ``finalize``. Validation runs while the layer is still
-        LOADING: a ValueError leaves it loadable and untouched."""
+        LOADING: a ValueError leaves it loadable and untouched. Holds the
+        layer's lock."""
 
         def step() -> None:
-            if state.status is PrepStatus.PREPARED:
-                state.check_unchanged(layer)
-                return
-            if state.status is PrepStatus.RESTORING:
-                self.restore_load_layout(layer)
-            device = layer.w13_weight.device
-            if state.status is PrepStatus.LOADING:
-                name, validate = steps[0]
-                validate()
-                _wait_for_step(device)
-                state.begin(PrepStatus.PREPARING)
-                state.done.append(name)
-            for name, fn in steps:
-                if name not in state.done:
-                    fn()
-                    _wait_for_step(device)
+            with state.lock:
+                if state.status is PrepStatus.PREPARED:
+                    state.check_unchanged(layer)
+                    return
+                if state.status is PrepStatus.RESTORING:
+                    self.restore_load_layout(layer)
+                if state.status is PrepStatus.LOADING:
+                    state.check_not_torn()
+                    check_load_layout(layer, self.moe_config)
+                    name, validate = steps[0]
+                    validate()
+                    _wait_for_step(layer.w13_weight.device)
+                    state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+                    state.begin(PrepStatus.PREPARING)
                     state.done.append(name)
-            if steps[-1][0] == "finalize":
-                state.status = PrepStatus.PREPARED
-                state.record_versions(layer)
+                for name, fn in steps:
+                    if name not in state.done:
+                        fn()
+                        _wait_for_step(layer.w13_weight.device)
+                        state.done.append(name)
+                if steps[-1][0] == "finalize":
+                    state.status = PrepStatus.PREPARED
+                    state.plans = {}
+                    state.writes_since_prepared = False
+                    state.record_prepared(layer)
 
         return step
 
     def restore_load_layout(self, layer: torch.nn.Module) -> None:
-        """Return a prepared (or partly prepared) layer to the layout
-        ``weight_loader`` writes, in place and within the cap, so that new
-        weights can be loaded into it (RL weight updates, sleep-mode wake-up).
+        """Return the layer, from any state, to the layout ``weight_loader``
+        writes, in place and within the cap, so that new weights can be
+        loaded into it (RL weight updates, sleep-mode wake-up).
 
-        A partly prepared layer is first prepared to the end (resumed). Then
-        the swizzled scales are unswizzled in place and their parameters
-        become linear [E, R, C] views of the same storage. The reorder is kept
-        (``w13_loaded_as_w3w1`` stays set: the loader writes up_proj first)
-        and so is a fold (folded block scales with global scale 1 are a valid
-        load layout). The kernel's views and ``_fc2_input_scale`` are dropped:
-        ``forward`` refuses until the layer is prepared again. Resumable after
-        an exception like the preparation.
+        A step of an interrupted preparation that had started is finished (a
+        step never started is not run: a preparation that failed, e.g. on a
+        cap too small, does not block a reload); then the steps done are
+        undone: the swizzled scales are unswizzled in place (their
+        parameters become linear [E, R, C] views of the same storage), a
+        reorder is undone when the layer was loaded as [w1; w3], and the
+        global scale parameters get their loaded values back. A fold stays
+        (``weight_prep_state.folds`` records it; the next preparation folds
+        only what changed). The kernel's views are dropped: ``forward``
+        refuses until the layer is prepared again. Resumable after an
+        exception like the preparation.
+
+        Where the bytes cannot be trusted (parameters modified, replaced or
+        converted since the preparation, e.g. ``layer.to(torch.bfloat16)``)
+        or the exact restore fails, the parameters get the load layout's
+        shapes and dtypes (reusing their storage where it fits) and the
+        layer is marked torn: preparing it is refused until a complete
+        reload. Holds the layer's lock.
         """
         state = get_prep_state(layer)
-        if state.status is PrepStatus.LOADING:
-            return
-        if state.status is PrepStatus.PREPARING:
-            self.process_weights_after_loading(layer)
-        if state.status is PrepStatus.PREPARED:
-            state.begin(PrepStatus.RESTORING)
-        cap = self.max_transient_bytes
-        with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
-            for prefix in ("w13", "w2"):
-                name = f"{prefix}_weight_scale"
-                step = f"unswizzle.{name}"
-                if step in state.done:
-                    continue
-                n_e, r, c = self._scale_geometry(prefix)
-                scale = getattr(layer, name)
-                if (
-                    tuple(scale.shape) != (n_e, r, c)
-                    or not state.progress_of(step).complete
-                ):
-                    linear = unswizzle_blockscale_bounded_(
-                        scale, r, c, max_transient_bytes=cap,
-                        progress=state.progress_of(step),
-                    )  # fmt: skip
-                    _replace_parameter(layer, name, linear)
-                _wait_for_step(layer.w13_weight.device)
-                state.done.append(step)
-        qc = self.quant_config
-        qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
-        self.w1_sf_mma = self.w2_sf_mma = None
-        self._fc2_input_scale = self._fc1_input_scale = None
-        state.begin(PrepStatus.LOADING)
+        with state.lock:
+            if state.status is PrepStatus.LOADING:
+                if not load_layout_ok(layer, self.moe_config):
+                    reset_load_layout(
+                        self, layer, state, "parameters were replaced or converted"
+                    )
+                return
+            changed = (
+                state.changed(layer) if state.status is PrepStatus.PREPARED else {}
+            )
+            if changed:
+                why = f"parameters changed after the preparation: {sorted(changed)}"
+                reset_load_layout(self, layer, state, why)
+                return
+            try:
+                restore_exactly(self, layer, state)
+            except Exception as err:  # noqa: BLE001 - the layer is reset, torn
+                logger.warning("restoring the MoE layer's load layout failed (%s); "
+                               "the layer needs a complete reload", err)  # fmt: skip
+                reset_load_layout(
+                    self, layer, state, f"restoring the load layout failed: {err}"
+                )
 
     def _check_prepared(self) -> None:
         if self._fc2_input_scale is None:
