@@ -185,7 +185,7 @@ def test_separate_w1_w3_global_scales_are_exact():
     assert torch.equal(bytes_of(layer.w13_weight_scale.data), bytes_of(want))
     # The benchmark's precision report sees the same: exact up to float32
     # rounding of the alphas (the fold would be ~1e-2 here).
-    report = prepared_weight_precision(layer, tensors, list(range(e)))
+    report = prepared_weight_precision(layer, tensors, "full")
     assert report["rel_rms"] < 1e-6, report
     # Control: folding both halves with w1's scale (dropping w3's, as the
     # legacy fold did) misses by far.
