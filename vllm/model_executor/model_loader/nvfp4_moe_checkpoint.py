@@ -13,22 +13,27 @@ Two on-disk conventions are understood:
   ``weight_scale``, ``weight_global_scale`` and ``input_global_scale``, the
   global scales in the QUANTIZATION direction; they are inverted on load.
 
-Expert tensors are named ``<prefix>.layers.<L>.<mlp|mixer>.experts.<e>.<proj>.
-<suffix>`` with ``proj`` in gate_proj (w1), up_proj (w3; w1 for non-gated
-experts) and down_proj (w2). Tensors are streamed one at a time with
+Expert tensors are named ``<module>.experts.<e>.<proj>.<suffix>`` with
+``proj`` in gate_proj (w1), up_proj (w3; w1 for non-gated experts) and
+down_proj (w2); ``<module>`` is a decoder layer (``model.layers.<L>.mlp``,
+``backbone.layers.<L>.mixer``, ...) or another MoE block, listed apart
+(``mtp.layers.0.mlp``). Tensors are streamed one at a time with
 ``safetensors.safe_open``, following ``model.safetensors.index.json`` across
-shards; nothing reads a whole file into memory.
+shards; nothing reads a whole file into memory. Every file is opened first
+(no-follow, below the checkpoint directory) and checked through its
+descriptor, which is what is then read: no check-then-open race.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import stat
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,8 +51,17 @@ MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
 
 _EXPERT_RE = re.compile(
-    r"^(?P<prefix>.*\.layers)\.(?P<layer>\d+)\.(?P<block>mlp|mixer)\.experts\."
-    r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>\w+)$"
+    r"^(?P<module>.+)\.experts\.(?P<expert>[0-9]+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_]+)$"
+)
+# The decoder stacks of the models this reader serves (Qwen3 MoE, Qwen3.5,
+# Nemotron-H, DeepSeek, Mixtral-style): their MoE modules are the numbered
+# decoder layers. Experts anywhere else (``mtp.layers.0.mlp``: the
+# multi-token-prediction block of Qwen3-Next-style checkpoints) are listed
+# by their module name and never taken for a decoder layer.
+_DECODER_RE = re.compile(
+    r"^(?:model|backbone|model\.language_model|language_model\.model)\.layers\."
+    r"(?P<layer>[0-9]+)\.(?:mlp|mixer)$"
 )
 # checkpoint suffix -> (FusedMoE parameter suffix, required)
 _SUFFIXES = {
@@ -66,23 +80,71 @@ _SUFFIXES = {
 }
 
 
-def _regular_file(path: Path, root: Path, what: str) -> Path:
-    """``path`` resolved, checked to stay inside ``root`` (symlinks and ``..``
-    included) and to be a regular file (a FIFO or device would block or never
-    end). ValueError naming ``what`` otherwise."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
+def _open_inside(path: Path, root: Path, what: str) -> int:
+    """A read-only descriptor of the regular file ``path``, which must lie
+    inside ``root`` (symlinks inside ``root`` are followed, ``..`` and
+    symlinks leaving it are refused). ValueError naming ``what`` otherwise.
+
+    Opened first, checked second: the path is resolved, then every
+    component below ``root`` is opened relative to the descriptor of the one
+    above it with ``O_NOFOLLOW``, so a component swapped for a symlink after
+    the check fails to open instead of leading outside; the file is opened
+    with ``O_NONBLOCK`` (a FIFO would block) and ``os.fstat`` on the
+    descriptor decides whether it is a regular file. Callers read through
+    the descriptor, never the path again. The caller closes it.
+    """
+    root_real = Path(os.path.realpath(root))
+    resolved = Path(os.path.realpath(path))
+    if not resolved.is_relative_to(root_real):
         raise ValueError(
             f"{what}: {path} resolves to {resolved}, outside the checkpoint "
             f"directory {root}"
         )
+    parts = resolved.relative_to(root_real).parts
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = -1
     try:
-        mode = resolved.stat().st_mode
+        fd = os.open(root_real, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            extra = os.O_NONBLOCK if last else os.O_DIRECTORY
+            child = os.open(part, flags | extra, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        mode = os.fstat(fd).st_mode
     except OSError as e:
+        if fd >= 0:
+            os.close(fd)
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise ValueError(
+                f"{what}: {path} changed while it was opened (a symlink or "
+                "not a directory where the checked path had none)"
+            ) from None
         raise ValueError(f"{what}: cannot read {path} ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
+    if not parts or not stat.S_ISREG(mode):
+        os.close(fd)
         raise ValueError(f"{what}: {path} is not a regular file")
-    return resolved
+    return fd
+
+
+@contextlib.contextmanager
+def _safe_open_inside(path: Path, root: Path, what: str):
+    """``safe_open`` of the regular file ``path`` inside ``root``, read
+    through the descriptor :func:`_open_inside` checked (its
+    ``/proc/self/fd`` entry: safetensors maps the file, so memory stays one
+    tensor at a time; it takes no descriptor or file object). ValueError
+    naming ``path`` when it is not a readable safetensors file."""
+    fd = _open_inside(path, root, what)
+    try:
+        fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+        try:
+            handle = safe_open(f"{fd_dir}/{fd}", framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+        with handle as f:
+            yield f
+    finally:
+        os.close(fd)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
@@ -95,15 +157,22 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _read_json(path: Path, root: Path | None = None) -> dict:
-    """A JSON object from a regular file inside ``root`` (default: its folder)."""
-    path = _regular_file(path, root or path.parent, str(path))
+    """A JSON object from a regular file inside ``root`` (default: its folder),
+    read through the descriptor :func:`_open_inside` checked."""
+    fd = _open_inside(path, root or path.parent, str(path))
     try:
-        with open(path) as f:
-            data = json.load(f, object_pairs_hook=_no_duplicate_keys)
+        with os.fdopen(fd, "rb") as f:
+            data = json.loads(f.read(), object_pairs_hook=_no_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ValueError(
+            f"{path}: not valid JSON (nested too deeply for the parser)"
+        ) from None
     except ValueError as e:  # a duplicate key
         raise ValueError(f"{path}: {e}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -166,15 +235,6 @@ def detect_nvfp4_format(model_dir: Path) -> str:
     raise ValueError(f"{config_path}: unsupported quantization method {method!r}")
 
 
-@dataclass(frozen=True)
-class _ExpertTensor:
-    name: str
-    layer: int
-    expert: int
-    proj: str
-    suffix: str
-
-
 class NVFP4MoECheckpoint:
     """An NVFP4 MoE checkpoint directory: its config, format and expert tensors.
 
@@ -182,6 +242,15 @@ class NVFP4MoECheckpoint:
         model_dir: directory with ``config.json``, the quantization config and
             ``*.safetensors`` (with ``model.safetensors.index.json`` when
             sharded).
+
+    Expert tensors are grouped by their full module name (the part before
+    ``.experts.``). The decoder layers' modules (``model.layers.<L>.mlp``,
+    ``backbone.layers.<L>.mixer``, ...) are :attr:`moe_layers`, by index;
+    experts of any other module (``mtp.layers.0.mlp``) are
+    :attr:`other_moe_modules`, by name, never merged into a decoder layer.
+    A non-canonical index (``experts.01``), a second tensor for the same
+    (layer, expert, projection, suffix) or one decoder layer with experts
+    under two modules is a ValueError naming the tensors and their files.
     """
 
     def __init__(self, model_dir: str | os.PathLike):
@@ -194,18 +263,58 @@ class NVFP4MoECheckpoint:
         self.config = config
         self.text_config = _get_dict(config, "text_config", config_path, config)
         self.weight_map = self._weight_map()
-        self._experts: dict[int, list[_ExpertTensor]] = defaultdict(list)
+        # module -> {(expert, proj, suffix): tensor name}; decoder layer -> module
+        self._modules: dict[str, dict[tuple[int, str, str], str]] = {}
+        self._layers: dict[int, str] = {}
+        self._parse_expert_names()
+        self._check_geometry()
+
+    # -- names --------------------------------------------------------------------
+    def _where(self, name: str) -> str:
+        return f"{name} (in {self.weight_map[name]})"
+
+    def _parse_expert_names(self) -> None:
+        firsts: dict[tuple[int | str, int, str, str], str] = {}
+        layer_modules: dict[int, dict[str, str]] = defaultdict(dict)
         for name in self.weight_map:
             m = _EXPERT_RE.match(name)
-            if m:
-                self._experts[int(m["layer"])].append(
-                    _ExpertTensor(
-                        name, int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"]
-                    )  # fmt: skip
+            if not m:
+                continue
+            module, expert = m["module"], m["expert"]
+            for part in (*module.split("."), expert):
+                if part.isascii() and part.isdigit() and part != str(int(part)):
+                    raise ValueError(
+                        f"{self.model_dir}: tensor {self._where(name)} has the "
+                        f"non-canonical index {part!r} (write {int(part)})"
+                    )
+            decoder = _DECODER_RE.match(module)
+            owner: int | str = int(decoder["layer"]) if decoder else module
+            key = (owner, int(expert), m["proj"], m["suffix"])
+            if key in firsts:
+                what = f"layer {owner}" if decoder else f"module {owner}"
+                raise ValueError(
+                    f"{self.model_dir}: {self._where(name)} is a second tensor "
+                    f"for {what}, expert {expert}, {m['proj']}.{m['suffix']}, "
+                    f"after {self._where(firsts[key])}"
                 )
-        if not self._experts:
-            raise ValueError(f"{self.model_dir}: no routed-expert tensors found")
-        self._check_geometry()
+            firsts[key] = name
+            self._modules.setdefault(module, {})[key[1:]] = name
+            if decoder:
+                layer_modules[owner].setdefault(module, name)
+        for layer_idx, modules in sorted(layer_modules.items()):
+            if len(modules) > 1:
+                examples = " and ".join(self._where(n) for n in modules.values())
+                raise ValueError(
+                    f"{self.model_dir}: decoder layer {layer_idx} has routed "
+                    f"experts under {len(modules)} modules ({', '.join(modules)}): "
+                    f"{examples}"
+                )
+            self._layers[layer_idx] = next(iter(modules))
+        if not self._layers:
+            others = f" (only in {self.other_moe_modules})" if self._modules else ""
+            raise ValueError(
+                f"{self.model_dir}: no routed-expert tensors in decoder layers{others}"
+            )
 
     # -- geometry ---------------------------------------------------------------
     def _cfg(self, *keys: str) -> int:
@@ -226,8 +335,8 @@ class NVFP4MoECheckpoint:
         every MoE layer, H and I against one expert's tensor headers."""
         path = self.model_dir / "config.json"
         e = self.num_experts
-        for layer_idx, tensors in self._experts.items():
-            found = 1 + max(t.expert for t in tensors)
+        for layer_idx, module in self._layers.items():
+            found = 1 + max(ex for ex, _, _ in self._modules[module])
             if found != e:
                 raise ValueError(
                     f"{path}: says {e} experts, but layer {layer_idx} of the "
@@ -235,28 +344,27 @@ class NVFP4MoECheckpoint:
                 )
         h, i = self.hidden_size, self.intermediate_size
         weight = "weight" if self.format == MODELOPT else "weight_packed"
-        layer = self._experts[self.moe_layers[0]]
-        for t in layer:
-            if t.expert != 0 or t.suffix != weight:
+        layer = self._modules[self._layers[self.moe_layers[0]]]
+        for (expert, proj, suffix), name in layer.items():
+            if expert != 0 or suffix != weight:
                 continue
-            want = (h, i // 2) if t.proj == "down_proj" else (i, h // 2)
-            got = self._header_shape(t.name)
+            want = (h, i // 2) if proj == "down_proj" else (i, h // 2)
+            got = self._header_shape(name)
             if got != want:
                 raise ValueError(
                     f"{path}: hidden_size {h} and intermediate size {i} mean "
-                    f"{t.name} has shape {want}, the checkpoint has {got}"
+                    f"{name} has shape {want}, the checkpoint has {got}"
                 )
 
     def _header_shape(self, name: str) -> tuple[int, ...]:
         file = self.model_dir / self.weight_map[name]
-        _regular_file(file, self.model_dir, name)
-        try:
-            with safe_open(file, framework="pt", device="cpu") as f:
+        with _safe_open_inside(file, self.model_dir, name) as f:
+            try:
                 return tuple(f.get_slice(name).get_shape())
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(
-                f"{file}: cannot read the header of {name} ({e})"
-            ) from None
+            except Exception as e:  # safetensors raises its own error types
+                raise ValueError(
+                    f"{file}: cannot read the header of {name} ({e})"
+                ) from None
 
     @property
     def num_experts(self) -> int:
@@ -277,13 +385,21 @@ class NVFP4MoECheckpoint:
     @property
     def activation(self) -> str:
         """ "silu" (gated) unless the experts have no gate_proj (then relu2)."""
-        layer = next(iter(self._experts.values()))
-        return "silu" if any(t.proj == "gate_proj" for t in layer) else "relu2"
+        layer = self._modules[self._layers[self.moe_layers[0]]]
+        return "silu" if any(p == "gate_proj" for _, p, _ in layer) else "relu2"
 
     @property
     def moe_layers(self) -> list[int]:
         """Indices of the decoder layers that hold routed experts."""
-        return sorted(self._experts)
+        return sorted(self._layers)
+
+    @property
+    def other_moe_modules(self) -> list[str]:
+        """Modules outside the decoder layers that hold routed experts (e.g.
+        ``mtp.layers.0.mlp``), by name; load one with
+        ``load_layer(layer, name)``."""
+        decoder = set(self._layers.values())
+        return sorted(m for m in self._modules if m not in decoder)
 
     # -- reading ------------------------------------------------------------------
     def _weight_map(self) -> dict[str, str]:
@@ -304,14 +420,15 @@ class NVFP4MoECheckpoint:
                     )
                 if not (self.model_dir / file).exists():
                     raise ValueError(f"{index}: shard {file} is missing")
-                _regular_file(self.model_dir / file, self.model_dir, str(index))
+                os.close(
+                    _open_inside(self.model_dir / file, self.model_dir, str(index))
+                )
             return wm
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{self.model_dir}: no *.safetensors files")
         wm = {}
         for path in files:
-            _regular_file(path, self.model_dir, "shard")
             for name in self._keys(path):
                 if name in wm:
                     raise ValueError(
@@ -321,16 +438,12 @@ class NVFP4MoECheckpoint:
                 wm[name] = path.name
         return wm
 
-    @staticmethod
-    def _keys(path: Path) -> list[str]:
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    def _keys(self, path: Path) -> list[str]:
+        with _safe_open_inside(path, self.model_dir, "shard") as f:
+            return list(f.keys())
 
     def _expected(
-        self, layer_idx: int, gated: bool
+        self, layer_idx: int | str, gated: bool
     ) -> list[tuple[int, str, str, bool]]:
         projs = (
             ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", "down_proj")
@@ -342,13 +455,18 @@ class NVFP4MoECheckpoint:
             for suffix, (_, required) in _SUFFIXES[self.format].items()
         ]
 
-    def _check_layer(self, layer_idx: int) -> dict[tuple[int, str, str], str]:
-        if layer_idx not in self._experts:
+    def _check_layer(self, layer_idx: int | str) -> dict[tuple[int, str, str], str]:
+        if isinstance(layer_idx, str) and layer_idx in self._modules:
+            module = layer_idx
+        elif not isinstance(layer_idx, str) and layer_idx in self._layers:
+            module = self._layers[layer_idx]
+        else:
             raise ValueError(
-                f"{self.model_dir}: layer {layer_idx} has no routed experts; MoE "
-                f"layers are {self.moe_layers}"
+                f"{self.model_dir}: layer {layer_idx!r} has no routed experts; MoE "
+                f"layers are {self.moe_layers}, other MoE modules "
+                f"{self.other_moe_modules}"
             )
-        found = {(t.expert, t.proj, t.suffix): t.name for t in self._experts[layer_idx]}
+        found = self._modules[module]
         n_found = 1 + max(e for e, _, _ in found)
         if n_found != self.num_experts:
             raise ValueError(
@@ -356,21 +474,21 @@ class NVFP4MoECheckpoint:
                 f"experts but config.json says {self.num_experts}"
             )
         gated = self.activation == "silu"
-        prefix = self._experts[layer_idx][0].name.split(".experts.")[0]
         for e, proj, suffix, required in self._expected(layer_idx, gated):
             if required and (e, proj, suffix) not in found:
                 raise ValueError(
                     f"{self.model_dir}: missing tensor "
-                    f"{prefix}.experts.{e}.{proj}.{suffix} (layer {layer_idx})"
+                    f"{module}.experts.{e}.{proj}.{suffix} (layer {layer_idx})"
                 )
         return found
 
     def iter_layer_tensors(
-        self, layer_idx: int, experts: range | None = None, progress: bool = False
+        self, layer_idx: int | str, experts: range | None = None, progress: bool = False
     ) -> Iterator[tuple[str, int, str, str, torch.Tensor]]:
         """Yield ``(name, expert, proj, param_suffix, tensor)`` for every expert
-        tensor of ``layer_idx`` (optionally only ``experts``), one at a time,
-        in file order. Global scales come out in ModelOpt's dequantization
+        tensor of decoder layer ``layer_idx`` (or of the module named so, one
+        of :attr:`other_moe_modules`), optionally only ``experts``, one at a
+        time, in file order. Global scales come out in ModelOpt's dequantization
         direction whatever the format."""
         found = self._check_layer(layer_idx)
         suffixes = _SUFFIXES[self.format]
@@ -383,14 +501,8 @@ class NVFP4MoECheckpoint:
                    disable=not progress, leave=False)  # fmt: skip
         with bar:
             for file, items in sorted(by_file.items()):
-                path = _regular_file(self.model_dir / file, self.model_dir, file)
-                try:
-                    handle = safe_open(path, framework="pt", device="cpu")
-                except Exception as e:
-                    raise ValueError(
-                        f"{path}: cannot open ({e}); needed for {items[0][3]}"
-                    ) from None
-                with handle as f:
+                path = self.model_dir / file
+                with _safe_open_inside(path, self.model_dir, items[0][3]) as f:
                     for e, proj, suffix, name in items:
                         try:
                             tensor = f.get_tensor(name)
@@ -410,9 +522,10 @@ class NVFP4MoECheckpoint:
                         bar.update()
 
     def load_layer(
-        self, layer: torch.nn.Module, layer_idx: int, progress: bool = False
+        self, layer: torch.nn.Module, layer_idx: int | str, progress: bool = False
     ):
-        """Load decoder layer ``layer_idx``'s experts into ``layer`` (a
+        """Load decoder layer ``layer_idx``'s experts (or those of the module
+        named so, one of :attr:`other_moe_modules`) into ``layer`` (a
         ``FusedMoE``) through its ``weight_loader``. Checks the geometry
         first; every tensor is checked by the loader (shape, dtype)."""
         if layer.global_num_experts != self.num_experts:
