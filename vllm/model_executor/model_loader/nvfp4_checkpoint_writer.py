@@ -9,6 +9,11 @@ different ones), and written as sharded safetensors with an index::
 
     python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer OUT_DIR \\
         [--format modelopt|compressed-tensors] [--activation silu|relu2] ...
+
+The checkpoint is written into a new directory beside ``OUT_DIR`` and
+renamed into place at the end, so an interrupted write leaves no
+half-written checkpoint; a non-empty ``OUT_DIR`` is refused unless
+``overwrite`` (``--overwrite``). Files get the usual modes (the umask's).
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import resource
+import secrets
+import shutil
 from pathlib import Path
 
 import torch
@@ -33,7 +42,11 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
 )
 from vllm.utils.argparse_utils import positive_int
 
-__all__ = ["random_bf16_experts", "write_nvfp4_moe_checkpoint"]
+__all__ = [
+    "available_memory_bytes",
+    "random_bf16_experts",
+    "write_nvfp4_moe_checkpoint",
+]
 
 
 def _global_scale(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
@@ -90,6 +103,55 @@ def _quantization_config(fmt: str) -> dict:
     }
 
 
+def _check_target(out: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
+    """ValueError unless ``out`` is absent, an empty directory, or (with
+    ``overwrite``) a directory; ``flag`` names the way to overwrite."""
+    if out.is_symlink():
+        raise ValueError(f"{out}: is a symlink; give the directory itself")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"{out}: exists and is not a directory")
+    if not overwrite and any(out.iterdir()):
+        raise ValueError(f"{out}: directory is not empty ({flag} replaces it)")
+
+
+def _sibling(out: Path, what: str, create: bool) -> Path:
+    """A fresh hidden name beside ``out`` (created as a directory, mode
+    0o777 less the umask, when ``create``)."""
+    while True:
+        path = out.parent / f".{out.name}.{what}-{os.getpid()}-{secrets.token_hex(4)}"
+        if not create:
+            if not (path.exists() or path.is_symlink()):
+                return path
+            continue
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``out``; an existing ``out``
+    (checked by :func:`_check_target`) is renamed aside first and removed
+    after, or put back when the second rename fails."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if not any(out.iterdir()):
+        os.rename(tmp, out)  # replaces an empty directory in one step
+        return
+    old = _sibling(out, "old", create=False)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def write_nvfp4_moe_checkpoint(
     out_dir: str | Path,
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -104,6 +166,7 @@ def write_nvfp4_moe_checkpoint(
     act_amax: float = 8.0,
     quant_config_in_config_json: bool = False,
     shared_w13_global_scale: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Quantize and write the routed experts of ``layers`` as an NVFP4 checkpoint.
 
@@ -124,15 +187,35 @@ def write_nvfp4_moe_checkpoint(
         shared_w13_global_scale: gate_proj and up_proj of an expert share one
             global scale, from their joint amax (what ModelOpt exports);
             default: each its own.
+        overwrite: replace a non-empty ``out_dir`` (default: ValueError).
 
-    Returns the output directory.
+    Everything is written into a new directory beside ``out_dir`` that is
+    renamed to ``out_dir`` at the end (and removed on any error), so
+    ``out_dir`` is never half-written. Returns the output directory.
     """
     if fmt not in (MODELOPT, COMPRESSED_TENSORS):
         raise ValueError(
             f"fmt must be {MODELOPT!r} or {COMPRESSED_TENSORS!r}, got {fmt!r}"
         )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_target(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _sibling(out, "partial", create=True)
+    try:
+        _write(tmp, layers, config, fmt, gated, prefix, block, max_shard_bytes,
+               pow2_global_scales, act_amax, quant_config_in_config_json,
+               shared_w13_global_scale)  # fmt: skip
+        _check_target(out, overwrite)  # it may have changed meanwhile
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes,
+           pow2_global_scales, act_amax, quant_config_in_config_json,
+           shared_w13_global_scale) -> None:  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     for layer_idx, (w13, w2) in sorted(layers.items()):
         e = w13.shape[0]
@@ -162,9 +245,13 @@ def write_nvfp4_moe_checkpoint(
         shards[-1][name] = t
         size += nbytes
     weight_map = {}
+    # safetensors creates its files with mode 0o600; give them the mode any
+    # new file gets here, which the directory (made with 0o777) shows.
+    file_mode = 0o666 & out.stat().st_mode
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, out / file, metadata={"format": "pt"})
+        os.chmod(out / file, file_mode)
         weight_map.update({name: file for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(
@@ -182,7 +269,6 @@ def write_nvfp4_moe_checkpoint(
     else:
         config["quantization_config"] = _quantization_config(fmt)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def random_bf16_experts(
@@ -195,6 +281,68 @@ def random_bf16_experts(
     w13 = torch.randn(e, rows, hidden, generator=gen) / math.sqrt(hidden)
     w2 = torch.randn(e, hidden, inter, generator=gen) / math.sqrt(inter)
     return w13.bfloat16(), w2.bfloat16()
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Bytes this process can still allocate, as far as the system says: the
+    least of the machine's available memory (``MemAvailable``), the room left
+    under the address-space and data limits (``ulimit -v``/``-d``) and under
+    the cgroup's memory limit (v2 or v1). None when none is known."""
+    candidates = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) << 10)
+    except OSError:
+        pass
+    for limit, used in (
+        (resource.RLIMIT_AS, "VmSize"),
+        (resource.RLIMIT_DATA, "VmData"),
+    ):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and (now := _status_kib(used)) is not None:
+            candidates.append(max(0, soft - now))
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):  # fmt: skip
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            candidates.append(max(0, limit - usage))
+    return min(candidates) if candidates else None
+
+
+def _bytes_needed(args) -> int:
+    """Peak bytes of :func:`main`: every layer's BF16 experts (2 bytes per
+    weight), their NVFP4 tensors (0.5 + 1/16), and the float32 draw of one
+    w13 (4 bytes per weight, twice: the draw and its scaled copy)."""
+    rows = 2 * args.intermediate_size if args.activation == "silu" else (
+        args.intermediate_size)  # fmt: skip
+    per_layer = args.num_experts * args.hidden_size * (rows + args.intermediate_size)
+    draw = args.num_experts * rows * args.hidden_size * 8
+    return args.num_layers * per_layer * (2 + 0.5 + 1 / 16) + draw
 
 
 def _example_config(args) -> dict:
@@ -248,6 +396,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed (default %(default)s)"
     )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR when it is not empty (default: "
+                        "refuse)")  # fmt: skip
     args = parser.parse_args(argv)
     for flag, value in (("--hidden-size", args.hidden_size),
                         ("--intermediate-size", args.intermediate_size)):  # fmt: skip
@@ -257,21 +408,40 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"--top-k {args.top_k} is more than --num-experts {args.num_experts}"
         )
+    try:
+        _check_target(Path(args.out_dir), args.overwrite, "--overwrite")
+    except ValueError as e:
+        parser.error(str(e))
+    sizes = (f"--num-layers {args.num_layers}, --num-experts {args.num_experts}, "
+             f"--hidden-size {args.hidden_size}, --intermediate-size "
+             f"{args.intermediate_size}")  # fmt: skip
+    need, free = _bytes_needed(args), available_memory_bytes()
+    if free is not None and need > free:
+        parser.error(
+            f"{sizes} need about {need / 2**30:.1f} GiB of memory to write, "
+            f"{free / 2**30:.1f} GiB is available"
+        )
     gated = args.activation == "silu"
-    layers = {
-        i: random_bf16_experts(args.num_experts, args.hidden_size,
-                               args.intermediate_size, gated, args.seed + i)
-        for i in range(args.num_layers)
-    }  # fmt: skip
     block = "mlp" if gated else "mixer"
     prefix = "model.layers" if gated else "backbone.layers"
     try:
+        layers = {
+            i: random_bf16_experts(args.num_experts, args.hidden_size,
+                                   args.intermediate_size, gated, args.seed + i)
+            for i in range(args.num_layers)
+        }  # fmt: skip
         out = write_nvfp4_moe_checkpoint(
             args.out_dir, layers, _example_config(args), fmt=args.format,
             gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
+            overwrite=args.overwrite,
         )  # fmt: skip
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+            raise
+        parser.exit(2, f"{parser.prog}: error: out of memory writing {sizes} "
+                    f"(about {need / 2**30:.1f} GiB needed)\n")  # fmt: skip
     print(f"wrote an NVFP4 ({args.format}) MoE checkpoint to {out}")
 
 
