@@ -47,13 +47,18 @@ from vllm.benchmarks.legacy_moe_prep import (
 )
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.benchmarks.moe_weight_prep import RankShard, _check_equal, _make_layer
+from vllm.benchmarks.moe_weight_prep_ranks import RankShard
 from vllm.benchmarks.moe_weight_prep_report import format_speedup
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    DEFAULT_MAX_TRANSIENT_BYTES,
+from vllm.benchmarks.moe_weight_prep_run import _check_equal, _make_layer
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
-    moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzled_blockscale_shape,

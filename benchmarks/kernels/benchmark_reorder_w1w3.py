@@ -33,10 +33,12 @@ from vllm.benchmarks.busy_cores import busy_cores
 from vllm.benchmarks.legacy_moe_prep import clone_chunk_reorder, split_cat_reorder
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS
 from vllm.benchmarks.moe_synthetic_weights import synthetic_w13
-from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as fp4_moe
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils import bounded_chunks
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
 from vllm.utils.mem_utils import measure_peak_memory
@@ -155,18 +157,18 @@ def tile_sweep(name: str, device: torch.device, repeats: int, tiles_kib: list[in
     dst_w, dst_s = torch.empty_like(weight), torch.empty_like(scale)
     memcpy = _median_time(lambda: (dst_w.copy_(weight), dst_s.copy_(scale)), device,
                           repeats)  # fmt: skip
-    saved = dict(fp4_moe._TILE_BYTES)
+    saved = dict(bounded_chunks._TILE_BYTES)
     rows = []
     try:
         for kib in tiles_kib:
-            fp4_moe._TILE_BYTES[device.type] = kib << 10
+            bounded_chunks._TILE_BYTES[device.type] = kib << 10
             t = _median_time(
                 lambda: reorder_w1w3_to_w3w1(weight, scale), device, repeats
             )
             rows.append({"tile_kib": kib, "time_s": t, "ratio_to_memcpy": t / memcpy})
     finally:
-        fp4_moe._TILE_BYTES.clear()
-        fp4_moe._TILE_BYTES.update(saved)
+        bounded_chunks._TILE_BYTES.clear()
+        bounded_chunks._TILE_BYTES.update(saved)
     print(f"\ntile sweep, {name} on {device} (memcpy {memcpy * 1e3:.2f} ms)")
     for r in rows:
         print(f"  tile {r['tile_kib']:>6} KiB  {r['time_s'] * 1e3:8.2f} ms  "

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The main job's report: the text table and the memory plot of one result
-of :func:`vllm.benchmarks.moe_weight_prep.run_benchmark`."""
+of :func:`vllm.benchmarks.moe_weight_prep_run.run_benchmark`."""
 
 from __future__ import annotations
 

@@ -13,12 +13,16 @@ from tests.kernels.moe.utils import fold_reference, load_nvfp4_experts, make_nvf
 from tests.kernels.utils import bytes_of, random_bits
 from vllm.benchmarks.moe_model_presets import MoEModelPreset
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.model_executor.layers.quantization.utils import flashinfer_fp4_moe as fp4
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils import blockscale_fold as fp4
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
-    moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,

@@ -20,10 +20,14 @@ from tests.kernels.moe.utils import (
 from tests.kernels.utils import bytes_of
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    ChunkProgress,
-    reorder_w1w3_to_w3w1,
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    ChunkProgress,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,

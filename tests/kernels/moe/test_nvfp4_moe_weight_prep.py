@@ -23,9 +23,11 @@ from vllm.benchmarks.legacy_moe_prep import (
 from vllm.benchmarks.moe_model_presets import get_preset
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.model_executor.layers.fused_moe import fused_moe
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    blockscale_storage_for_swizzle,
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
+    blockscale_storage_for_swizzle,
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
 )

@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 from tests.kernels.utils import DEVICES, bytes_of, random_bits
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
 from vllm.utils.mem_utils import measure_peak_memory

@@ -8,7 +8,8 @@ reference, one global scale per expert and projection (so gate and up get
 different ones), and written as sharded safetensors with an index::
 
     python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer OUT_DIR \\
-        [--format modelopt|compressed-tensors] [--activation silu|relu2] ...
+        [--format modelopt|compressed-tensors] [--activation silu|relu2] \\
+        [--quant w4a4|w4a16|mixed] [--per-layer] [--overwrite] ...
 
 The checkpoint is written into a new directory beside ``OUT_DIR`` and
 renamed into place at the end, so an interrupted write leaves no
@@ -22,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -40,6 +42,7 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
 )
+from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import W4A4, W4A16
 from vllm.utils.argparse_utils import positive_int
 
 __all__ = [
@@ -59,47 +62,48 @@ def _global_scale(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
 
 
 def _expert_tensors(
-    w: torch.Tensor, fmt: str, pow2: bool, act_amax: float, amax=None
+    w: torch.Tensor, fmt: str, pow2: bool, act_amax: float | None, amax=None
 ) -> dict:
     """NVFP4 tensors of one projection weight [N, K] (suffix -> tensor); the
-    global scale from ``amax`` (default: w's own)."""
+    global scale from ``amax`` (default: w's own); a static input scale from
+    ``act_amax`` unless it is None."""
     gs = _global_scale(w, pow2, amax)
     packed, scale = quantize_nvfp4(w, gs)
-    in_gs = nvfp4_global_scale(torch.tensor(act_amax))
+    in_gs = None if act_amax is None else nvfp4_global_scale(torch.tensor(act_amax))
     if fmt == MODELOPT:
-        return {
+        out = {
             "weight": packed,
             "weight_scale": scale,
             "weight_scale_2": global_scale_to_modelopt(gs).reshape(()),
-            "input_scale": global_scale_to_modelopt(in_gs).reshape(()),
         }
-    return {
+        if in_gs is not None:
+            out["input_scale"] = global_scale_to_modelopt(in_gs).reshape(())
+        return out
+    out = {
         "weight_packed": packed,
         "weight_scale": scale,
         "weight_global_scale": global_scale_to_compressed_tensors(gs).reshape(1),
-        "input_global_scale": global_scale_to_compressed_tensors(in_gs).reshape(1),
     }
+    if in_gs is not None:
+        out["input_global_scale"] = global_scale_to_compressed_tensors(in_gs).reshape(1)
+    return out
 
 
-def _quantization_config(fmt: str) -> dict:
-    if fmt == MODELOPT:
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
-    scheme = {
-        "num_bits": 4, "type": "float", "strategy": "tensor_group",
-        "group_size": 16, "symmetric": True, "dynamic": False,
-    }  # fmt: skip
+_NVFP4_SCHEME = {
+    "num_bits": 4, "type": "float", "strategy": "tensor_group",
+    "group_size": 16, "symmetric": True, "dynamic": False,
+}  # fmt: skip
+_MODELOPT_ALGO = {W4A4: "NVFP4", W4A16: "W4A16_NVFP4"}
+
+
+def _ct_group(targets: list[str], mode: str) -> dict:
+    """A compressed-tensors NVFP4 config group; W4A16: null input activations."""
+    acts = None if mode == W4A16 else {**_NVFP4_SCHEME, "dynamic": "local"}
     return {
-        "quant_method": "compressed-tensors",
+        "targets": targets,
+        "weights": dict(_NVFP4_SCHEME),
+        "input_activations": acts,
         "format": "nvfp4-pack-quantized",
-        "config_groups": {
-            "group_0": {
-                "targets": ["Linear"],
-                "weights": scheme,
-                "input_activations": {**scheme, "dynamic": "local"},
-                "format": "nvfp4-pack-quantized",
-            }
-        },
-        "ignore": ["lm_head"],
     }
 
 
@@ -152,6 +156,57 @@ def _move_into_place(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _experts_modules(modes: dict[int, str], prefix: str, block: str) -> dict:
+    return {f"{prefix}.{i}.{block}.experts": m for i, m in sorted(modes.items())}
+
+
+def _modelopt_quantization(modes: dict[int, str], per_layer: bool, prefix: str,
+                           block: str) -> dict:  # fmt: skip
+    """ModelOpt's ``quantization`` dict: one ``quant_algo`` for the checkpoint,
+    or MIXED_PRECISION with ``quantized_layers`` (the experts modules, next to
+    FP8 attention entries as in NVIDIA's mixed releases)."""
+    distinct = set(modes.values())
+    if len(distinct) == 1 and not per_layer:
+        return {"quant_algo": _MODELOPT_ALGO[distinct.pop()], "group_size": 16,
+                "exclude_modules": ["lm_head"]}  # fmt: skip
+    layers = {}
+    for module, mode in _experts_modules(modes, prefix, block).items():
+        layers[module] = {"quant_algo": _MODELOPT_ALGO[mode], "group_size": 16}
+        attn = module.rsplit(".", 2)[0] + ".self_attn.q_proj"
+        layers[attn] = {"quant_algo": "FP8"}
+    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+            "quantized_layers": layers, "exclude_modules": ["lm_head"]}  # fmt: skip
+
+
+def _compressed_tensors_config(modes: dict[int, str], prefix: str,
+                               block: str) -> dict:  # fmt: skip
+    """compressed-tensors ``quantization_config``: one group targeting every
+    Linear, or one group per mode whose ``re:`` targets name its layers'
+    experts (plus an FP8 group for attention, as a mixed export has)."""
+    distinct = sorted(set(modes.values()))
+    if len(distinct) == 1:
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "nvfp4-pack-quantized",
+            "config_groups": {"group_0": _ct_group(["Linear"], distinct[0])},
+            "ignore": ["lm_head"],
+        }
+    groups = {}
+    for n, mode in enumerate(distinct):
+        idx = "|".join(str(i) for i, m in sorted(modes.items()) if m == mode)
+        pattern = (re.escape(f"{prefix}.") + f"({idx})"
+                   + re.escape(f".{block}.experts.") + ".*")  # fmt: skip
+        groups[f"group_{n}"] = _ct_group([f"re:{pattern}"], mode)
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+           "dynamic": False}  # fmt: skip
+    groups["group_fp8"] = {
+        "targets": [r"re:.*self_attn\..*"], "weights": fp8,
+        "input_activations": fp8, "format": "float-quantized",
+    }  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "mixed-precision",
+            "config_groups": groups, "ignore": ["lm_head"]}  # fmt: skip
+
+
 def write_nvfp4_moe_checkpoint(
     out_dir: str | Path,
     layers: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -166,6 +221,9 @@ def write_nvfp4_moe_checkpoint(
     act_amax: float = 8.0,
     quant_config_in_config_json: bool = False,
     shared_w13_global_scale: bool = False,
+    quant_mode: str | dict[int, str] = W4A4,
+    per_layer: bool = False,
+    w4a16_input_scales: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """Quantize and write the routed experts of ``layers`` as an NVFP4 checkpoint.
@@ -183,10 +241,23 @@ def write_nvfp4_moe_checkpoint(
             a shard would exceed this; an index is always written.
         pow2_global_scales: round each global scale down to a power of two
             (a valid checkpoint whose scale fold is exact).
-        act_amax: activation amax recorded as the static input scale.
+        act_amax: activation amax recorded as the static input scale (W4A4
+            layers; W4A16 layers have none unless ``w4a16_input_scales``).
         shared_w13_global_scale: gate_proj and up_proj of an expert share one
             global scale, from their joint amax (what ModelOpt exports);
             default: each its own.
+        quant_mode: ``"w4a4"`` or ``"w4a16"`` (weight-only) for every layer,
+            or a dict giving each layer of ``layers`` its own (a mixed
+            checkpoint). ModelOpt declares one mode as the top-level
+            ``quant_algo`` (``NVFP4`` / ``W4A16_NVFP4``) and several as
+            ``MIXED_PRECISION`` with ``quantized_layers`` naming each experts
+            module (plus FP8 attention entries, as NVIDIA's releases have);
+            compressed-tensors as config groups, W4A16 with
+            ``input_activations: null``, per-layer ``re:`` targets when mixed.
+        per_layer: ModelOpt: write ``MIXED_PRECISION`` / ``quantized_layers``
+            even for one mode (NVIDIA's Qwen3.6 NVFP4 release does).
+        w4a16_input_scales: W4A16 layers carry input scales too (some exports
+            do; the reader ignores them).
         overwrite: replace a non-empty ``out_dir`` (default: ValueError).
 
     Everything is written into a new directory beside ``out_dir`` that is
@@ -197,6 +268,16 @@ def write_nvfp4_moe_checkpoint(
         raise ValueError(
             f"fmt must be {MODELOPT!r} or {COMPRESSED_TENSORS!r}, got {fmt!r}"
         )
+    modes = (
+        dict(quant_mode)
+        if isinstance(quant_mode, dict)
+        else dict.fromkeys(layers, quant_mode)
+    )
+    if set(modes) != set(layers) or not set(modes.values()) <= {W4A4, W4A16}:
+        raise ValueError(
+            f"quant_mode must be {W4A4!r} or {W4A16!r}, or a dict giving one of "
+            f"them to each of the layers {sorted(layers)}; got {quant_mode!r}"
+        )
     out = Path(out_dir)
     _check_target(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -204,7 +285,8 @@ def write_nvfp4_moe_checkpoint(
     try:
         _write(tmp, layers, config, fmt, gated, prefix, block, max_shard_bytes,
                pow2_global_scales, act_amax, quant_config_in_config_json,
-               shared_w13_global_scale)  # fmt: skip
+               shared_w13_global_scale, modes, per_layer,
+               w4a16_input_scales)  # fmt: skip
         _check_target(out, overwrite)  # it may have changed meanwhile
         _move_into_place(tmp, out)
     except BaseException:
@@ -215,7 +297,8 @@ def write_nvfp4_moe_checkpoint(
 
 def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes,
            pow2_global_scales, act_amax, quant_config_in_config_json,
-           shared_w13_global_scale) -> None:  # fmt: skip
+           shared_w13_global_scale, modes, per_layer,
+           w4a16_input_scales) -> None:  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     for layer_idx, (w13, w2) in sorted(layers.items()):
         e = w13.shape[0]
@@ -229,10 +312,13 @@ def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes
             )
             projs["down_proj"] = w2[ex]
             joint = w13[ex].float().abs().amax() if shared_w13_global_scale else None
+            with_input = modes[layer_idx] == W4A4 or w4a16_input_scales
             for proj, w in projs.items():
                 amax = joint if proj != "down_proj" else None
-                for suffix, t in _expert_tensors(w, fmt, pow2_global_scales,
-                                                 act_amax, amax).items():  # fmt: skip
+                for suffix, t in _expert_tensors(
+                    w, fmt, pow2_global_scales, act_amax if with_input else None,
+                    amax,
+                ).items():  # fmt: skip
                     tensors[f"{base}.{proj}.{suffix}"] = t.contiguous()
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -260,14 +346,19 @@ def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes
         )  # fmt: skip
     )
     config = dict(config)
-    if fmt == MODELOPT and not quant_config_in_config_json:
-        (out / "hf_quant_config.json").write_text(json.dumps({
-            "producer": {"name": "modelopt", "version": "vllm-nvfp4-test-writer"},
-            "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                             "exclude_modules": ["lm_head"]},
-        }, indent=2))  # fmt: skip
+    if fmt == MODELOPT:
+        quantization = _modelopt_quantization(modes, per_layer, prefix, block)
+        if quant_config_in_config_json:
+            config["quantization_config"] = {"quant_method": "modelopt",
+                                             **quantization}  # fmt: skip
+        else:
+            (out / "hf_quant_config.json").write_text(json.dumps({
+                "producer": {"name": "modelopt",
+                             "version": "vllm-nvfp4-test-writer"},
+                "quantization": quantization,
+            }, indent=2))  # fmt: skip
     else:
-        config["quantization_config"] = _quantization_config(fmt)
+        config["quantization_config"] = _compressed_tensors_config(modes, prefix, block)
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -394,6 +485,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(flag, type=positive_int, default=default,
                             help=f"{what} (default %(default)s)")  # fmt: skip
     parser.add_argument(
+        "--quant", default=W4A4, choices=[W4A4, W4A16, "mixed"],
+        help="w4a4: NVFP4 weights and activations; w4a16: weight-only NVFP4 "
+        "(BF16 activations; ModelOpt W4A16_NVFP4, compressed-tensors with "
+        "input_activations null); mixed: even layers w4a16, odd layers w4a4 "
+        "(default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--per-layer", action="store_true",
+        help="modelopt: declare each layer's experts under MIXED_PRECISION "
+        "quantized_layers (as NVIDIA's Qwen3.6 NVFP4 release) even for one "
+        "--quant; mixed always does",
+    )  # fmt: skip
+    parser.add_argument(
         "--seed", type=int, default=0, help="random seed (default %(default)s)"
     )
     parser.add_argument("--overwrite", action="store_true",
@@ -424,6 +528,10 @@ def main(argv: list[str] | None = None) -> None:
     gated = args.activation == "silu"
     block = "mlp" if gated else "mixer"
     prefix = "model.layers" if gated else "backbone.layers"
+    if args.quant == "mixed":
+        modes = {i: W4A16 if i % 2 == 0 else W4A4 for i in range(args.num_layers)}
+    else:
+        modes = args.quant
     try:
         layers = {
             i: random_bf16_experts(args.num_experts, args.hidden_size,
@@ -433,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
         out = write_nvfp4_moe_checkpoint(
             args.out_dir, layers, _example_config(args), fmt=args.format,
             gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
-            overwrite=args.overwrite,
+            quant_mode=modes, per_layer=args.per_layer, overwrite=args.overwrite,
         )  # fmt: skip
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
@@ -442,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         parser.exit(2, f"{parser.prog}: error: out of memory writing {sizes} "
                     f"(about {need / 2**30:.1f} GiB needed)\n")  # fmt: skip
-    print(f"wrote an NVFP4 ({args.format}) MoE checkpoint to {out}")
+    print(f"wrote an NVFP4 ({args.format}, {args.quant}) MoE checkpoint to {out}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,14 @@ Two on-disk conventions are understood:
   ``weight_scale``, ``weight_global_scale`` and ``input_global_scale``, the
   global scales in the QUANTIZATION direction; they are inverted on load.
 
+Each MoE layer is W4A4 (NVFP4 activations too) or W4A16 (weight-only, BF16
+activations), as the config declares it: ModelOpt ``quant_algo`` ``NVFP4`` /
+``W4A16_NVFP4``, or ``MIXED_PRECISION`` with per-module ``quantized_layers``;
+compressed-tensors config groups with ``input_activations: null`` for W4A16
+(:mod:`~vllm.model_executor.model_loader.nvfp4_moe_quant_modes`).
+:meth:`NVFP4MoECheckpoint.quant_config` gives the config to build each
+layer with; a W4A16 layer's input scales, if a file has them, are not read.
+
 Expert tensors are named ``<module>.experts.<e>.<proj>.<suffix>`` with
 ``proj`` in gate_proj (w1), up_proj (w3; w1 for non-gated experts) and
 down_proj (w2); ``<module>`` is a decoder layer (``model.layers.<L>.mlp``,
@@ -43,6 +51,12 @@ from tqdm import tqdm
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     global_scale_from_compressed_tensors,
     global_scale_to_modelopt,
+)
+from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
+    W4A16,
+    ExpertModes,
+    compressed_tensors_expert_modes,
+    modelopt_expert_modes,
 )
 
 __all__ = ["MODELOPT", "COMPRESSED_TENSORS", "NVFP4MoECheckpoint"]
@@ -190,18 +204,15 @@ def _get_dict(d: dict, key: str, path: Path, default: dict | None = None) -> dic
     return value
 
 
-def detect_nvfp4_format(model_dir: Path) -> str:
-    """``MODELOPT`` or ``COMPRESSED_TENSORS``; ValueError naming the file and
-    the algorithm when the checkpoint is not NVFP4."""
+def detect_nvfp4_format(model_dir: Path) -> tuple[str, ExpertModes]:
+    """``(MODELOPT or COMPRESSED_TENSORS, the experts' declared modes)``;
+    ValueError naming the file and key when the checkpoint is not NVFP4 (W4A4
+    or W4A16) or its declaration is malformed (see
+    :mod:`~vllm.model_executor.model_loader.nvfp4_moe_quant_modes`)."""
     hf_quant = model_dir / "hf_quant_config.json"
     if hf_quant.exists() or hf_quant.is_symlink():
         quant = _get_dict(_read_json(hf_quant), "quantization", hf_quant, {})
-        algo = quant.get("quant_algo")
-        if str(algo).upper() != "NVFP4":
-            raise ValueError(
-                f"{hf_quant}: unsupported ModelOpt quant_algo {algo!r} (expected NVFP4)"
-            )
-        return MODELOPT
+        return MODELOPT, modelopt_expert_modes(quant, hf_quant, "quantization")
     config_path = model_dir / "config.json"
     if not (config_path.exists() or config_path.is_symlink()):
         raise ValueError(f"{model_dir}: no config.json")
@@ -213,25 +224,14 @@ def detect_nvfp4_format(model_dir: Path) -> str:
     qc = _get_dict(config, "quantization_config", config_path)
     method = qc.get("quant_method")
     if method == "modelopt":
-        nested = _get_dict(qc, "quantization", config_path, {})
-        algo = qc.get("quant_algo", nested.get("quant_algo"))
-        if str(algo).upper() != "NVFP4":
-            raise ValueError(
-                f"{config_path}: unsupported ModelOpt quant_algo {algo!r} "
-                "(expected NVFP4)"
-            )
-        return MODELOPT
+        key = "quantization_config"
+        if "quant_algo" not in qc and "quantization" in qc:
+            qc = _get_dict(qc, "quantization", config_path)
+            key += ".quantization"
+        return MODELOPT, modelopt_expert_modes(qc, config_path, key)
     if method == "compressed-tensors":
-        groups = _get_dict(qc, "config_groups", config_path, {})
-        formats = {qc.get("format")}
-        for name in groups:
-            formats.add(_get_dict(groups, name, config_path).get("format"))
-        if "nvfp4-pack-quantized" in formats:
-            return COMPRESSED_TENSORS
-        raise ValueError(
-            f"{config_path}: unsupported compressed-tensors format "
-            f"{sorted(str(f) for f in formats if f)} (expected nvfp4-pack-quantized)"
-        )
+        modes = compressed_tensors_expert_modes(qc, config_path, "quantization_config")
+        return COMPRESSED_TENSORS, modes
     raise ValueError(f"{config_path}: unsupported quantization method {method!r}")
 
 
@@ -257,7 +257,7 @@ class NVFP4MoECheckpoint:
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise ValueError(f"{self.model_dir}: not a directory")
-        self.format = detect_nvfp4_format(self.model_dir)
+        self.format, declared = detect_nvfp4_format(self.model_dir)
         config_path = self.model_dir / "config.json"
         config = _read_json(config_path)
         self.config = config
@@ -268,6 +268,10 @@ class NVFP4MoECheckpoint:
         self._layers: dict[int, str] = {}
         self._parse_expert_names()
         self._check_geometry()
+        self._declared = declared
+        self._quant_modes = {
+            idx: self._resolve_quant_mode(idx) for idx in self.moe_layers
+        }
 
     # -- names --------------------------------------------------------------------
     def _where(self, name: str) -> str:
@@ -401,6 +405,44 @@ class NVFP4MoECheckpoint:
         decoder = set(self._layers.values())
         return sorted(m for m in self._modules if m not in decoder)
 
+    # -- quantization mode ------------------------------------------------------
+    def _module(self, layer_idx: int | str) -> str:
+        """The module holding decoder layer ``layer_idx``'s experts, or the
+        module named ``layer_idx`` (one of :attr:`other_moe_modules`)."""
+        if isinstance(layer_idx, str) and layer_idx in self._modules:
+            return layer_idx
+        if not isinstance(layer_idx, str) and layer_idx in self._layers:
+            return self._layers[layer_idx]
+        raise ValueError(
+            f"{self.model_dir}: layer {layer_idx!r} has no routed experts; MoE "
+            f"layers are {self.moe_layers}, other MoE modules "
+            f"{self.other_moe_modules}"
+        )
+
+    def _resolve_quant_mode(self, layer_idx: int | str) -> str:
+        """A MoE layer's mode from the config's declaration, resolved for the
+        layer's experts module and every expert linear in the files."""
+        module = self._module(layer_idx)
+        linears = {n.rsplit(".", 1)[0] for n in self._modules[module].values()}
+        return self._declared.mode_of(module + ".experts", linears)
+
+    def quant_mode(self, layer_idx: int | str) -> str:
+        """``"w4a4"`` or ``"w4a16"``: what the checkpoint declares for the
+        experts of MoE layer ``layer_idx`` (or of the module named so)."""
+        if layer_idx not in self._quant_modes:
+            self._quant_modes[layer_idx] = self._resolve_quant_mode(layer_idx)
+        return self._quant_modes[layer_idx]
+
+    def quant_config(self, layer_idx: int | str):
+        """A ``ModelOptNvFp4Config`` with the ``quant_mode`` the checkpoint
+        declares for MoE layer ``layer_idx`` (a new object per call): what a
+        ``FusedMoE`` for that layer is built with before ``load_layer``."""
+        from vllm.model_executor.layers.quantization.modelopt import (
+            ModelOptNvFp4Config,
+        )
+
+        return ModelOptNvFp4Config(quant_mode=self.quant_mode(layer_idx))
+
     # -- reading ------------------------------------------------------------------
     def _weight_map(self) -> dict[str, str]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -456,16 +498,7 @@ class NVFP4MoECheckpoint:
         ]
 
     def _check_layer(self, layer_idx: int | str) -> dict[tuple[int, str, str], str]:
-        if isinstance(layer_idx, str) and layer_idx in self._modules:
-            module = layer_idx
-        elif not isinstance(layer_idx, str) and layer_idx in self._layers:
-            module = self._layers[layer_idx]
-        else:
-            raise ValueError(
-                f"{self.model_dir}: layer {layer_idx!r} has no routed experts; MoE "
-                f"layers are {self.moe_layers}, other MoE modules "
-                f"{self.other_moe_modules}"
-            )
+        module = self._module(layer_idx)
         found = self._modules[module]
         n_found = 1 + max(e for e, _, _ in found)
         if n_found != self.num_experts:
@@ -492,6 +525,10 @@ class NVFP4MoECheckpoint:
         direction whatever the format."""
         found = self._check_layer(layer_idx)
         suffixes = _SUFFIXES[self.format]
+        if self.quant_mode(layer_idx) == W4A16:
+            # Weight-only: activations stay BF16; an input scale some exports
+            # carry is not read at all.
+            suffixes = {k: v for k, v in suffixes.items() if v[0] != "input_scale"}
         by_file: dict[str, list[tuple[int, str, str, str]]] = defaultdict(list)
         for (e, proj, suffix), name in found.items():
             if suffix in suffixes and (experts is None or e in experts):
@@ -532,6 +569,18 @@ class NVFP4MoECheckpoint:
             raise ValueError(
                 f"{self.model_dir}: config.json has {self.num_experts} experts, the "
                 f"layer {layer.global_num_experts}"
+            )
+        mode = self.quant_mode(layer_idx)
+        layer_mode = getattr(
+            getattr(getattr(layer, "quant_method", None), "quant_config", None),
+            "quant_mode",
+            None,
+        )
+        if layer_mode != mode:
+            raise ValueError(
+                f"{self.model_dir}: layer {layer_idx}'s experts are {mode}, the "
+                f"layer is built for {layer_mode}: build it with "
+                f"quant_config=checkpoint.quant_config({layer_idx})"
             )
         gated = layer.activation.is_gated
         if gated != (self.activation == "silu"):

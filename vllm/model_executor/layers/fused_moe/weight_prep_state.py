@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
 )
 

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
 )
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     blockscale_storage_for_swizzle,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (

@@ -43,7 +43,7 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
 )
 from vllm.model_executor.layers.fused_moe.fused_moe import expand_routes
 from vllm.model_executor.layers.fused_moe.modular_kernel import Support
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (

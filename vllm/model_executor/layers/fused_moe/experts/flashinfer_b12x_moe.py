@@ -56,14 +56,22 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
 )
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    DEFAULT_MAX_TRANSIENT_BYTES,
+from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
-    moe_prep_threads,
-    reorder_w1w3_to_w3w1,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    moe_prep_threads,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,

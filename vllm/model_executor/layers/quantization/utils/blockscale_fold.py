@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Fold per-expert global scales into FP8 block scales in place, with bounded memory."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
+    check_blockscale_tensor,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    DEFAULT_MAX_TRANSIENT_BYTES,
+    ChunkProgress,
+    check_cap,
+    run_chunks,
+    tile_bytes,
+    unit_chunks,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import FLOAT8_E4M3_MAX
+
+__all__ = [
+    "fold_global_scale_into_blockscale_",
+]
+
+
+# The fold's fixed allocations: the 256 FP8 codes as float32 (1 KiB, 1.25 KiB
+# while they are made) and, per (expert, row group) segment, its float32
+# factor (a view when scale_2 is float32); per segment in a chunk: its table
+# (float32 and FP8: 1280 bytes) and offset (4 bytes); per element in a chunk:
+# its int32 index (4 bytes).
+_FOLD_CODES_BYTES = 1280
+_FOLD_TABLE_BYTES = 256 * 5 + 4
+
+
+def _fold_min_cap(segments: int) -> int:
+    """The smallest cap the fold works with: codes, factors, one table and
+    the index of one element."""
+    return _FOLD_CODES_BYTES + 4 * segments + _FOLD_TABLE_BYTES + 4
+
+
+def _fp8_codes(device: torch.device) -> torch.Tensor:
+    """float32 [256]: the value of every float8_e4m3fn byte 0x00..0xFF."""
+    codes = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def fold_global_scale_into_blockscale_(
+    scale: torch.Tensor,
+    scale_2: torch.Tensor,
+    *,
+    max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    progress: ChunkProgress | None = None,
+) -> torch.Tensor:
+    """Multiply FP8 block scales by their per-expert global scale, in place.
+
+    Args:
+        scale: float8_e4m3fn [E, R, C] block scales, linear layout, contiguous.
+        scale_2: float32 global scales in the DEQUANTIZATION direction
+            (ModelOpt ``weight_scale_2``): [E] for one per expert, or [E, G]
+            for G equal row groups per expert (G = 2 for ``w13`` with separate
+            w1 and w3 scales: rows [0, R/2) use ``scale_2[:, 0]``, rows
+            [R/2, R) use ``scale_2[:, 1]``).
+        max_transient_bytes: cap on what the call allocates: at least
+            2.5 KiB plus 4 bytes per (expert, row group).
+        progress: resumption point (see :class:`ChunkProgress`); without it a
+            retry after an exception would fold the chunks already done twice.
+
+    Returns ``scale`` itself, each element replaced by
+    ``fp8(clamp(float(scale) * scale_2, -448, 448))`` (round to nearest
+    even). ``scale_2`` is not modified: the caller sets it to 1 once the
+    whole tensor is folded.
+
+    How: each (expert, row group) segment maps each of the 256 FP8 bytes
+    through the same function, so a chunk of segments builds that
+    function's 256-entry table for each of its segments (the float32 formula
+    above, applied to every code) and looks its bytes up in it
+    (``index_select`` on an int32 index): bit-identical to the formula,
+    with no FP8 -> float32 conversion of the data. Chunks hold whole
+    segments when one fits the buffer, else pieces of one segment, so the
+    call issues O(bytes / tile) operations. Each chunk is written by one
+    operation, after its table and index are built: an exception leaves it
+    folded or untouched.
+    """
+    check_blockscale_tensor("scale", scale)
+    cap = check_cap(max_transient_bytes)
+    if not isinstance(scale_2, torch.Tensor):
+        raise TypeError(f"scale_2 must be a torch.Tensor, got {type(scale_2).__name__}")
+    e, r, c = scale.shape
+    groups = 1 if scale_2.dim() == 1 else scale_2.shape[-1]
+    if scale_2.dim() not in (1, 2) or scale_2.shape[0] != e or r % groups != 0:
+        raise ValueError(
+            f"scale_2 must be [E] or [E, G] with E = {e} and G dividing the "
+            f"{r} rows of scale, got shape {tuple(scale_2.shape)}"
+        )
+    if scale_2.device != scale.device:
+        raise ValueError(
+            f"scale_2 is on {scale_2.device} but scale is on {scale.device}"
+        )
+    segs = e * groups
+    if cap < _fold_min_cap(segs):
+        raise ValueError(
+            f"max_transient_bytes must be at least {_fold_min_cap(segs)} for "
+            f"the fold of {segs} (expert, row group) segments (the 256 FP8 "
+            f"codes, one lookup table, one index, the factors), got {cap}"
+        )
+    if scale.numel() == 0:
+        run_chunks(0, lambda idx: None, progress)
+        return scale
+    seg_len = (r // groups) * c
+    data = scale.view(torch.uint8).view(segs, seg_len)  # [E*G, L]
+    budget = max(min(cap, tile_bytes(scale.device)), _fold_min_cap(segs))
+    budget -= _FOLD_CODES_BYTES + 4 * segs  # what chunks may use
+    if seg_len * 4 + _FOLD_TABLE_BYTES <= budget:
+        per = (budget // (seg_len * 4 + _FOLD_TABLE_BYTES)) * seg_len
+    else:
+        per = (budget - _FOLD_TABLE_BYTES) // 4
+    chunks = unit_chunks(segs, seg_len, per)
+    kmax = max(k for _, k, _, _ in chunks)
+    nmax = max(k * n for _, k, _, n in chunks)
+    with torch.no_grad():
+        factors = scale_2.reshape(segs).float()  # [E*G]
+        codes = _fp8_codes(scale.device).view(1, 256)
+        table_f = torch.empty(kmax, 256, dtype=torch.float32, device=scale.device)
+        table = torch.empty(kmax * 256, dtype=torch.uint8, device=scale.device)
+        offsets = torch.arange(0, kmax * 256, 256, dtype=torch.int32,
+                               device=scale.device)  # fmt: skip
+        index = torch.empty(nmax, dtype=torch.int32, device=scale.device)
+
+        def fold(idx: int) -> None:
+            first, k, start, n = chunks[idx]
+            # The k tables: fp8(clamp(code * factor)) for all 256 codes.
+            tf = table_f[:k]
+            torch.mul(codes, factors[first : first + k].unsqueeze(1), out=tf)
+            tf.clamp_(-FLOAT8_E4M3_MAX, FLOAT8_E4M3_MAX)
+            table[: k * 256].view(torch.float8_e4m3fn).view(k, 256).copy_(tf)
+            # index = byte + 256 * (segment within the chunk)
+            src = data[first : first + k, start : start + n]
+            ix = index[: k * n].view(k, n)
+            ix.copy_(src)
+            if k > 1:
+                ix.add_(offsets[:k].unsqueeze(1))
+            # The chunk's only write: the looked-up bytes onto the source.
+            torch.index_select(table[: k * 256], 0, index[: k * n],
+                               out=src.view(k * n))  # fmt: skip
+
+        run_chunks(len(chunks), fold, progress, scale.device)
+    return scale
