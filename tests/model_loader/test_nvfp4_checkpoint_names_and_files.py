@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from tests.kernels.utils import bytes_of
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-from vllm.model_executor.model_loader import nvfp4_moe_checkpoint as reader
+from vllm.model_executor.model_loader import checkpoint_files
 from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
     random_bf16_experts,
     write_nvfp4_moe_checkpoint,
@@ -239,7 +239,7 @@ def test_a_shard_swapped_for_a_symlink_right_before_the_read(tmp_path, monkeypat
     never the outside file."""
     ckpt_dir, evil = _outside_checkpoint(tmp_path)
     want = _loaded(NVFP4MoECheckpoint(ckpt_dir), 0)
-    real_safe_open = reader.safe_open
+    real_safe_open = checkpoint_files.safe_open
     shard = ckpt_dir / SHARD
 
     def swap_then_open(path, *args, **kwargs):
@@ -249,7 +249,7 @@ def test_a_shard_swapped_for_a_symlink_right_before_the_read(tmp_path, monkeypat
         return real_safe_open(path, *args, **kwargs)
 
     ckpt = NVFP4MoECheckpoint(ckpt_dir)
-    monkeypatch.setattr(reader, "safe_open", swap_then_open)
+    monkeypatch.setattr(checkpoint_files, "safe_open", swap_then_open)
     try:
         got = _loaded(ckpt, 0)
     except ValueError as e:
@@ -274,7 +274,7 @@ def test_a_shard_swapped_before_the_open_is_refused(tmp_path, monkeypatch):
             shard.symlink_to(evil)
         return result
 
-    monkeypatch.setattr(reader.os.path, "realpath", realpath_then_swap)
+    monkeypatch.setattr(checkpoint_files.os.path, "realpath", realpath_then_swap)
     with pytest.raises(ValueError, match=f"{SHARD} changed while it was opened"):
         ckpt.load_layer(_layer(), 0)
 

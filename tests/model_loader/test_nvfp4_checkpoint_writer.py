@@ -176,8 +176,7 @@ def test_cli_under_an_address_space_limit_is_a_one_line_error(tmp_path):
 def test_available_memory_is_bounded_by_the_address_space_limit():
     script = textwrap.dedent("""
         import json, resource
-        from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
-            available_memory_bytes)
+        from vllm.utils.mem_utils import available_memory_bytes
         free = available_memory_bytes()
         with open("/proc/self/status") as f:
             vm = next(int(x.split()[1]) << 10 for x in f if x.startswith("VmSize"))

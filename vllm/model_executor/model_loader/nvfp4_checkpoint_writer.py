@@ -24,9 +24,6 @@ import json
 import math
 import os
 import re
-import resource
-import secrets
-import shutil
 from pathlib import Path
 
 import torch
@@ -38,15 +35,19 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
+from vllm.model_executor.model_loader.checkpoint_files import (
+    check_target,
+    whole_directory,
+)
 from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import W4A4, W4A16
 from vllm.utils.argparse_utils import positive_int
+from vllm.utils.mem_utils import available_memory_bytes
 
 __all__ = [
-    "available_memory_bytes",
     "random_bf16_experts",
     "write_nvfp4_moe_checkpoint",
 ]
@@ -105,55 +106,6 @@ def _ct_group(targets: list[str], mode: str) -> dict:
         "input_activations": acts,
         "format": "nvfp4-pack-quantized",
     }
-
-
-def _check_target(out: Path, overwrite: bool, flag: str = "overwrite=True") -> None:
-    """ValueError unless ``out`` is absent, an empty directory, or (with
-    ``overwrite``) a directory; ``flag`` names the way to overwrite."""
-    if out.is_symlink():
-        raise ValueError(f"{out}: is a symlink; give the directory itself")
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise ValueError(f"{out}: exists and is not a directory")
-    if not overwrite and any(out.iterdir()):
-        raise ValueError(f"{out}: directory is not empty ({flag} replaces it)")
-
-
-def _sibling(out: Path, what: str, create: bool) -> Path:
-    """A fresh hidden name beside ``out`` (created as a directory, mode
-    0o777 less the umask, when ``create``)."""
-    while True:
-        path = out.parent / f".{out.name}.{what}-{os.getpid()}-{secrets.token_hex(4)}"
-        if not create:
-            if not (path.exists() or path.is_symlink()):
-                return path
-            continue
-        try:
-            os.mkdir(path)
-            return path
-        except FileExistsError:
-            continue
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished directory ``tmp`` to ``out``; an existing ``out``
-    (checked by :func:`_check_target`) is renamed aside first and removed
-    after, or put back when the second rename fails."""
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    if not any(out.iterdir()):
-        os.rename(tmp, out)  # replaces an empty directory in one step
-        return
-    old = _sibling(out, "old", create=False)
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _experts_modules(modes: dict[int, str], prefix: str, block: str) -> dict:
@@ -278,21 +230,12 @@ def write_nvfp4_moe_checkpoint(
             f"quant_mode must be {W4A4!r} or {W4A16!r}, or a dict giving one of "
             f"them to each of the layers {sorted(layers)}; got {quant_mode!r}"
         )
-    out = Path(out_dir)
-    _check_target(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _sibling(out, "partial", create=True)
-    try:
+    with whole_directory(out_dir, overwrite) as tmp:
         _write(tmp, layers, config, fmt, gated, prefix, block, max_shard_bytes,
                pow2_global_scales, act_amax, quant_config_in_config_json,
                shared_w13_global_scale, modes, per_layer,
                w4a16_input_scales)  # fmt: skip
-        _check_target(out, overwrite)  # it may have changed meanwhile
-        _move_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(out_dir)
 
 
 def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes,
@@ -372,57 +315,6 @@ def random_bf16_experts(
     w13 = torch.randn(e, rows, hidden, generator=gen) / math.sqrt(hidden)
     w2 = torch.randn(e, hidden, inter, generator=gen) / math.sqrt(inter)
     return w13.bfloat16(), w2.bfloat16()
-
-
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) << 10
-    except OSError:
-        pass
-    return None
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-        return None if text == "max" else int(text)
-    except (OSError, ValueError):
-        return None
-
-
-def available_memory_bytes() -> int | None:
-    """Bytes this process can still allocate, as far as the system says: the
-    least of the machine's available memory (``MemAvailable``), the room left
-    under the address-space and data limits (``ulimit -v``/``-d``) and under
-    the cgroup's memory limit (v2 or v1). None when none is known."""
-    candidates = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    candidates.append(int(line.split()[1]) << 10)
-    except OSError:
-        pass
-    for limit, used in (
-        (resource.RLIMIT_AS, "VmSize"),
-        (resource.RLIMIT_DATA, "VmData"),
-    ):
-        soft = resource.getrlimit(limit)[0]
-        if soft != resource.RLIM_INFINITY and (now := _status_kib(used)) is not None:
-            candidates.append(max(0, soft - now))
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-    ):  # fmt: skip
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and usage is not None and limit < 1 << 60:
-            candidates.append(max(0, limit - usage))
-    return min(candidates) if candidates else None
 
 
 def _bytes_needed(args) -> int:
@@ -513,7 +405,7 @@ def main(argv: list[str] | None = None) -> None:
             f"--top-k {args.top_k} is more than --num-experts {args.num_experts}"
         )
     try:
-        _check_target(Path(args.out_dir), args.overwrite, "--overwrite")
+        check_target(Path(args.out_dir), args.overwrite, "--overwrite")
     except ValueError as e:
         parser.error(str(e))
     sizes = (f"--num-layers {args.num_layers}, --num-experts {args.num_experts}, "

@@ -34,23 +34,30 @@ descriptor, which is what is then read: no check-then-open race.
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import json
 import os
 import re
-import stat
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     global_scale_from_compressed_tensors,
     global_scale_to_modelopt,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    get_dict as _get_dict,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    open_inside as _open_inside,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    read_json as _read_json,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    safe_open_inside as _safe_open_inside,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
     W4A16,
@@ -92,116 +99,6 @@ _SUFFIXES = {
         "input_global_scale": ("input_scale", False),
     },
 }
-
-
-def _open_inside(path: Path, root: Path, what: str) -> int:
-    """A read-only descriptor of the regular file ``path``, which must lie
-    inside ``root`` (symlinks inside ``root`` are followed, ``..`` and
-    symlinks leaving it are refused). ValueError naming ``what`` otherwise.
-
-    Opened first, checked second: the path is resolved, then every
-    component below ``root`` is opened relative to the descriptor of the one
-    above it with ``O_NOFOLLOW``, so a component swapped for a symlink after
-    the check fails to open instead of leading outside; the file is opened
-    with ``O_NONBLOCK`` (a FIFO would block) and ``os.fstat`` on the
-    descriptor decides whether it is a regular file. Callers read through
-    the descriptor, never the path again. The caller closes it.
-    """
-    root_real = Path(os.path.realpath(root))
-    resolved = Path(os.path.realpath(path))
-    if not resolved.is_relative_to(root_real):
-        raise ValueError(
-            f"{what}: {path} resolves to {resolved}, outside the checkpoint "
-            f"directory {root}"
-        )
-    parts = resolved.relative_to(root_real).parts
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
-    fd = -1
-    try:
-        fd = os.open(root_real, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            extra = os.O_NONBLOCK if last else os.O_DIRECTORY
-            child = os.open(part, flags | extra, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        mode = os.fstat(fd).st_mode
-    except OSError as e:
-        if fd >= 0:
-            os.close(fd)
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise ValueError(
-                f"{what}: {path} changed while it was opened (a symlink or "
-                "not a directory where the checked path had none)"
-            ) from None
-        raise ValueError(f"{what}: cannot read {path} ({e.strerror})") from None
-    if not parts or not stat.S_ISREG(mode):
-        os.close(fd)
-        raise ValueError(f"{what}: {path} is not a regular file")
-    return fd
-
-
-@contextlib.contextmanager
-def _safe_open_inside(path: Path, root: Path, what: str):
-    """``safe_open`` of the regular file ``path`` inside ``root``, read
-    through the descriptor :func:`_open_inside` checked (its
-    ``/proc/self/fd`` entry: safetensors maps the file, so memory stays one
-    tensor at a time; it takes no descriptor or file object). ValueError
-    naming ``path`` when it is not a readable safetensors file."""
-    fd = _open_inside(path, root, what)
-    try:
-        fd_dir = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
-        try:
-            handle = safe_open(f"{fd_dir}/{fd}", framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
-        with handle as f:
-            yield f
-    finally:
-        os.close(fd)
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _read_json(path: Path, root: Path | None = None) -> dict:
-    """A JSON object from a regular file inside ``root`` (default: its folder),
-    read through the descriptor :func:`_open_inside` checked."""
-    fd = _open_inside(path, root or path.parent, str(path))
-    try:
-        with os.fdopen(fd, "rb") as f:
-            data = json.loads(f.read(), object_pairs_hook=_no_duplicate_keys)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    except RecursionError:
-        raise ValueError(
-            f"{path}: not valid JSON (nested too deeply for the parser)"
-        ) from None
-    except ValueError as e:  # a duplicate key
-        raise ValueError(f"{path}: {e}") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _get_dict(d: dict, key: str, path: Path, default: dict | None = None) -> dict:
-    """``d[key]`` when it is a JSON object; ``default`` when absent (if given)."""
-    if key not in d and default is not None:
-        return default
-    value = d.get(key)
-    if not isinstance(value, dict):
-        raise ValueError(
-            f"{path}: {key!r} must be a JSON object, got {type(value).__name__}"
-        )
-    return value
 
 
 def detect_nvfp4_format(model_dir: Path) -> tuple[str, ExpertModes]:
