@@ -77,6 +77,7 @@ def _kill_parent_and_time_survivors(script, children, sig, tmp_path, watch=()):
             alive = [pid for pid in pids if not _dead(pid)]
             took = time.monotonic() - start
             if not alive and not watched:
+                print(f"survived the parent by {took:.4f} s")  # shown with -s
                 return took
             if took > 2 * SURVIVAL_LIMIT_S:
                 return f"after {took:.1f} s: alive {alive}, left {watched}"
