@@ -45,17 +45,20 @@ def _dead(pid: int) -> bool:
 
 
 def _read_lines(proc, count: int) -> list[str]:
-    lines: list[str] = []
+    """The first ``count`` lines the parent's children print. Read from the
+    descriptor itself: a buffered reader may hold both lines after the first
+    readline while ``select`` waits for more."""
+    fd, buf = proc.stdout.fileno(), b""
     deadline = time.monotonic() + START_TIMEOUT_S
-    while len(lines) < count:
+    while buf.count(b"\n") < count:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
-            raise AssertionError(f"children did not start: {lines}")
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"parent exited: {proc.wait()} {lines}")
-        lines.append(line.strip())
-    return lines
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"children did not start: {buf!r}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError(f"parent exited: {proc.wait()} {buf!r}")
+        buf += chunk
+    return buf.decode().splitlines()[:count]
 
 
 def _kill_parent_and_time_survivors(script, children, sig, tmp_path, watch=()):
@@ -65,7 +68,7 @@ def _kill_parent_and_time_survivors(script, children, sig, tmp_path, watch=()):
     left (a string)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
-                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                            stdout=subprocess.PIPE, env=env)  # fmt: skip
     pids: list[int] = []
     try:
         pids = [int(line.split()[-1]) for line in _read_lines(proc, children)]
