@@ -21,6 +21,7 @@ import os
 from collections.abc import Iterator
 
 from vllm.utils.process_lifetime import die_with_parent
+from vllm.utils.signal_utils import children_ignore_sigint
 
 __all__ = ["busy_cores"]
 
@@ -71,7 +72,8 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
             proc = ctx.Process(target=_copy_forever,
                                args=(ready, threads, os.getpid(), lifeline),
                                daemon=True)  # fmt: skip
-            proc.start()
+            with children_ignore_sigint():  # Ctrl-C is the parent's
+                proc.start()
             procs.append((proc, ready))
         lifeline.close()
         for _, ready in procs:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm.utils.process_lifetime import die_with_parent, removed_even_if_killed
+from vllm.utils.signal_utils import children_ignore_sigint
 
 __all__ = ["WorkerError", "spawn_workers"]
 
@@ -137,8 +138,10 @@ def spawn_workers(
             )  # fmt: skip
             for rank in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
+        # Ctrl-C is the parent's: it stops the workers in the finally below.
+        with children_ignore_sigint():
+            for proc in procs:
+                proc.start()
         for _, send in pipes:
             send.close()  # the parent only reads
         lifeline.close()
