@@ -219,7 +219,9 @@ def test_launcher_arguments_are_checked_before_spawning(world_size, tp_size, mes
 
 @pytest.mark.parametrize("rank", [2, 3, -2])
 def test_an_out_of_range_rank_at_init_is_refused(rank):
-    with pytest.raises(ValueError, match=rf"rank must be in \[0, 2\), got {rank}"):
+    with pytest.raises(
+        ValueError, match=rf"rank must be in \[0, 2\) \(or -1\), got {rank}"
+    ):
         ps.init_distributed_environment(
             world_size=2, rank=rank, distributed_init_method="file:///nonexistent"
         )
