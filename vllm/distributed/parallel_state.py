@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GroupCoordinator",
+    "check_ranks_agree",
     "destroy_distributed_environment",
     "destroy_model_parallel",
     "get_tensor_model_parallel_rank",
@@ -68,6 +69,17 @@ class GroupCoordinator:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.device_group)
         return x
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length on all), in group order.
+        Every rank must call it."""
+        if self.world_size == 1:
+            return [list(values)]
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.device_group)
+        return [t.tolist() for t in out]
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.device_group)
@@ -99,8 +111,10 @@ def init_distributed_environment(
     ``rank``. Raises ValueError for a rank outside the world.
     """
     global _WORLD
-    if world_size != -1 and rank != -1 and not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if world_size < -1 or world_size == 0:
+        raise ValueError(f"world_size must be >= 1 (or -1), got {world_size}")
+    if rank < -1 or (world_size != -1 and not -1 <= rank < world_size):
+        raise ValueError(f"rank must be in [0, {world_size}) (or -1), got {rank}")
     backend = backend or _default_backend()
     if not dist.is_initialized():
         kwargs = {} if timeout is None else {"timeout": timeout}
@@ -146,6 +160,15 @@ def initialize_model_parallel(
         )
     if _TP is not None:
         raise RuntimeError("tensor model parallel group is already initialized")
+    # Every rank must split the world the same way (new_group below is
+    # collective): a rank that asked for another size would hang or pair
+    # the wrong ranks. One tiny all-gather over the world says so instead.
+    sizes = [v[0] for v in world.all_gather_ints([tp])]
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            "initialize_model_parallel: the ranks disagree on "
+            f"tensor_model_parallel_size: {_by_rank(sizes)}"
+        )
     backend = backend or world.backend
     mine = None
     for start in range(0, world.world_size, tp):
@@ -156,6 +179,41 @@ def initialize_model_parallel(
         if world.rank in ranks:
             mine = GroupCoordinator(ranks, world.rank, group, backend)
     _TP = mine
+
+
+def _by_rank(values: list) -> str:
+    return ", ".join(f"rank {r} has {v}" for r, v in enumerate(values))
+
+
+def check_ranks_agree(what: str, values: dict[str, int]) -> None:
+    """All-gather ``values`` over the tensor-parallel group and raise
+    ValueError, on every rank, naming each key whose value differs between
+    ranks. Keys starting with ``"rank:"`` are this rank's place instead:
+    they must differ on every rank (no two ranks holding the same shard).
+    Every rank of the group must call it, with the same keys; a group of
+    one returns at once."""
+    group = get_tp_group()
+    keys = sorted(values)
+    rows = group.all_gather_ints([int(values[k]) for k in keys])
+    problems = []
+    for i, key in enumerate(keys):
+        column = [row[i] for row in rows]
+        if key.startswith("rank:"):
+            pairs = [tuple(row[j] for j, k in enumerate(keys) if k.startswith("rank:"))
+                     for row in rows]  # fmt: skip
+            if len(set(pairs)) != len(pairs) and key == min(
+                k for k in keys if k.startswith("rank:")
+            ):
+                names = [k[5:] for k in keys if k.startswith("rank:")]
+                problems.append(f"two ranks hold the same shard ({'/'.join(names)}: "
+                                f"{_by_rank(pairs)})")  # fmt: skip
+        elif len(set(column)) != 1:
+            problems.append(f"{key}: {_by_rank(column)}")
+    if problems:
+        raise ValueError(
+            f"{what}: the {group.world_size} tensor-parallel ranks built different "
+            f"layers, so their results cannot be reduced: {'; '.join(problems)}"
+        )
 
 
 def model_parallel_is_initialized() -> bool:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 
 import torch
@@ -48,23 +49,27 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
+    fold_to,
+    replace_parameter,
+    reset_load_layout,
+    restore_exactly,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
     Support,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
+    check_load_layout,
     get_prep_state,
+    load_layout_ok,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
-from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
-    fold_global_scale_into_blockscale_,
-)
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
-    unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
@@ -76,6 +81,8 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GLOBAL_SCALE_MODES",
@@ -129,15 +136,6 @@ def is_flashinfer_b12x_moe_available() -> Support:
     """The one gate of the b12x kernel: SM120/121, CUDA 13+, flashinfer's
     ``b12x_fused_moe`` importable. Truthy, or falsy with the reason."""
     return _flashinfer_b12x_support()
-
-
-def _replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
-    """Make ``value`` (e.g. a padded view of the same storage) the data of the
-    parameter ``name``. The Parameter object stays the same, so references
-    taken before (a loader's ``dict(named_parameters())``) stay valid."""
-    param = getattr(layer, name)
-    if value is not param:
-        param.data = value
 
 
 def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
@@ -254,7 +252,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """
         # One thread setting for the whole preparation (see moe_prep_threads):
         # switching it per step would cost a thread-team restart each time.
-        with moe_prep_threads(layer.w13_weight.device):
+        with get_prep_state(layer).lock, moe_prep_threads(layer.w13_weight.device):
             for _, step in self.preparation_steps(layer):
                 step()
 
@@ -278,8 +276,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         """
         cap = self.max_transient_bytes
         moe = self.moe_config
-        e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
-        inter = moe.intermediate_size_per_partition
+        e = moe.num_experts
         state = get_prep_state(layer)
         first_expert = getattr(layer, "_first_expert", 0)
 
@@ -294,36 +291,29 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
         @torch.no_grad()
         def fold() -> None:
-            if self.effective_global_scale_mode == "fold":
-                # Upstream's contract: each expert's global scale (w1's and
-                # w3's own for w13) into its FP8 block scales; then it is 1.
-                for name in ("w13", "w2"):
-                    scale_2 = getattr(layer, f"{name}_weight_scale_2")
-                    fold_global_scale_into_blockscale_(
-                        getattr(layer, f"{name}_weight_scale"), scale_2,
-                        max_transient_bytes=cap,
-                        progress=state.progress_of(f"fold.{name}"),
-                    )  # fmt: skip
-                    scale_2.fill_(1.0)  # idempotent: a resumed fold skips here
-                return
-            # "alpha": the global scales stay, as the kernel's per-expert
-            # alphas, and the block scales stay as loaded. Only an expert
-            # whose two w13 row groups have different global scales cannot be
-            # described by one alpha: it gets the larger one, and the ratio
-            # (< 1) is folded into the other half's block scales, which then
-            # shrink (a scale of 448 never saturates).
-            scale_2 = layer.w13_weight_scale_2  # [E, G]
-            if bool((scale_2 != scale_2[:, :1]).any()):
-                alpha = scale_2.amax(dim=1, keepdim=True)  # [E, 1]
-                ratio = scale_2 / alpha  # [E, G], <= 1
-                # The two [E, G] float32 tensors count against the cap too.
-                fold_cap = max(4, cap - 3 * scale_2.numel() * 4 - 64)
-                fold_global_scale_into_blockscale_(
-                    layer.w13_weight_scale, ratio, max_transient_bytes=fold_cap,
-                    progress=state.progress_of("fold.w13"),
-                )  # fmt: skip
-                del ratio
-                scale_2.copy_(alpha.expand_as(scale_2))  # a resumed fold skips here
+            mode = self.effective_global_scale_mode
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                loaded = getattr(layer, f"{prefix}_weight_scale_2").reshape(e, -1)
+                if mode == "fold":
+                    # Upstream's contract: each expert's global scale (w1's and
+                    # w3's own for w13) into its FP8 block scales; then it is 1.
+                    target, after = loaded, 1.0
+                elif prefix == "w13" and bool((loaded != loaded[:, :1]).any()):
+                    # "alpha": the global scales stay, as the kernel's
+                    # per-expert alphas, and the block scales stay as loaded.
+                    # Only an expert whose two w13 row groups have different
+                    # global scales cannot be described by one alpha: it gets
+                    # the larger one, and the ratio (< 1) is folded into the
+                    # other half's block scales (a scale of 448 never
+                    # saturates).
+                    alpha = loaded.amax(dim=1, keepdim=True)  # [E, 1]
+                    target, after = loaded / alpha, alpha.expand_as(loaded)
+                elif name in state.folds:
+                    target, after = torch.ones_like(loaded), None  # undo a fold
+                else:
+                    continue
+                fold_to(self, layer, state, prefix, target, after)
 
         @torch.no_grad()
         def reorder() -> None:
@@ -353,29 +343,11 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 ):
                     # A new padded result: made for the padded layout.
                     state.record_storage_room(name, swizzled)
-                _replace_parameter(layer, name, swizzled)
+                replace_parameter(layer, name, swizzled)
 
         @torch.no_grad()
         def finalize() -> None:
-            qc = self.quant_config
-            # The config holds the swizzled scales; the kernel reads them
-            # through MMA-layout views (no copy).
-            qc.w1_scale = layer.w13_weight_scale
-            qc.w2_scale = layer.w2_weight_scale
-            self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
-            self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
-            qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
-            qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
-            # The kernel quantizes the FC2 input dynamically: its global scale
-            # is 1. Upstream hands the kernel the config's FC2 input scale
-            # filled with 1; without one, a new [E] tensor of ones.
-            if qc.a2_gscale is not None:
-                qc.a2_gscale.fill_(1.0)
-                self._fc2_input_scale = qc.a2_gscale
-            else:
-                self._fc2_input_scale = torch.ones(
-                    e, dtype=torch.float32, device=layer.w13_weight.device
-                )
+            self._bind_prepared(layer)
 
         steps = [("validate", validate), ("fold", fold), ("reorder", reorder),
                  ("swizzle", swizzle), ("finalize", finalize)]  # fmt: skip
@@ -384,78 +356,118 @@ class FlashInferB12xExperts(FusedMoEExperts):
             for i, (name, _) in enumerate(steps)
         ]
 
-    def _recorded(self, layer, state, steps):
-        """The last of ``steps`` as a recorded step: runs every step of
-        ``steps`` not yet done (in order), records each, and marks the layer
-        PREPARED after ``finalize``. Validation runs while the layer is still
-        LOADING: a ValueError leaves it loadable and untouched."""
+    def _bind_prepared(self, layer: torch.nn.Module) -> None:
+        """The kernel's views of a prepared layer's parameters (no copy)."""
+        qc = self.quant_config
+        moe = self.moe_config
+        e, h, rows = moe.num_experts, moe.hidden_dim, moe.w13_rows
+        inter = moe.intermediate_size_per_partition
+        # The config holds the swizzled scales; the kernel reads them through
+        # MMA-layout views (no copy).
+        qc.w1_scale = layer.w13_weight_scale
+        qc.w2_scale = layer.w2_weight_scale
+        self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
+        self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
+        qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
+        qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
+        # The kernel quantizes the FC2 input dynamically: its global scale
+        # is 1. Upstream hands the kernel the config's FC2 input scale
+        # filled with 1; without one, a new [E] tensor of ones.
+        if qc.a2_gscale is not None:
+            qc.a2_gscale.fill_(1.0)
+            self._fc2_input_scale = qc.a2_gscale
+        else:
+            self._fc2_input_scale = torch.ones(
+                e, dtype=torch.float32, device=layer.w13_weight.device
+            )
 
-        def step() -> None:
-            if state.status is PrepStatus.PREPARED:
-                state.check_unchanged(layer)
-                return
-            if state.status is PrepStatus.RESTORING:
-                self.restore_load_layout(layer)
-            if state.status is PrepStatus.LOADING:
-                name, validate = steps[0]
-                validate()
-                state.begin(PrepStatus.PREPARING)
-                state.done.append(name)
-            for name, fn in steps:
-                if name not in state.done:
-                    fn()
-                    state.done.append(name)
-            if steps[-1][0] == "finalize":
-                state.status = PrepStatus.PREPARED
-                state.record_versions(layer)
-
-        return step
-
-    def restore_load_layout(self, layer: torch.nn.Module) -> None:
-        """Return a prepared (or partly prepared) layer to the layout
-        ``weight_loader`` writes, in place and within the cap, so that new
-        weights can be loaded into it (RL weight updates, sleep-mode wake-up).
-
-        A partly prepared layer is first prepared to the end (resumed). Then
-        the swizzled scales are unswizzled in place and their parameters
-        become linear [E, R, C] views of the same storage. The reorder is kept
-        (``w13_loaded_as_w3w1`` stays set: the loader writes up_proj first)
-        and so is a fold (folded block scales with global scale 1 are a valid
-        load layout). The kernel's views and ``_fc2_input_scale`` are dropped:
-        ``forward`` refuses until the layer is prepared again. Resumable after
-        an exception like the preparation.
-        """
-        state = get_prep_state(layer)
-        if state.status is PrepStatus.LOADING:
-            return
-        if state.status is PrepStatus.PREPARING:
-            self.process_weights_after_loading(layer)
-        if state.status is PrepStatus.PREPARED:
-            state.begin(PrepStatus.RESTORING)
-        cap = self.max_transient_bytes
-        with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
-            for prefix in ("w13", "w2"):
-                name = f"{prefix}_weight_scale"
-                step = f"unswizzle.{name}"
-                if step in state.done:
-                    continue
-                n_e, r, c = self._scale_geometry(prefix)
-                scale = getattr(layer, name)
-                if (
-                    tuple(scale.shape) != (n_e, r, c)
-                    or not state.progress_of(step).complete
-                ):
-                    linear = unswizzle_blockscale_bounded_(
-                        scale, r, c, max_transient_bytes=cap,
-                        progress=state.progress_of(step),
-                    )  # fmt: skip
-                    _replace_parameter(layer, name, linear)
-                state.done.append(step)
+    def _drop_prepared(self) -> None:
         qc = self.quant_config
         qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
         self.w1_sf_mma = self.w2_sf_mma = None
         self._fc2_input_scale = None
-        state.begin(PrepStatus.LOADING)
+
+    def _recorded(self, layer, state, steps):
+        """The last of ``steps`` as a recorded step: runs every step of
+        ``steps`` not yet done (in order), records each, and marks the layer
+        PREPARED after ``finalize``. Validation runs while the layer is still
+        LOADING: a ValueError leaves it loadable and untouched. Holds the
+        layer's lock."""
+
+        def step() -> None:
+            with state.lock:
+                if state.status is PrepStatus.PREPARED:
+                    state.check_unchanged(layer)
+                    return
+                if state.status is PrepStatus.RESTORING:
+                    self.restore_load_layout(layer)
+                if state.status is PrepStatus.LOADING:
+                    state.check_not_torn()
+                    check_load_layout(layer, self.moe_config)
+                    name, validate = steps[0]
+                    validate()
+                    state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+                    state.begin(PrepStatus.PREPARING)
+                    state.done.append(name)
+                for name, fn in steps:
+                    if name not in state.done:
+                        fn()
+                        state.done.append(name)
+                if steps[-1][0] == "finalize":
+                    state.status = PrepStatus.PREPARED
+                    state.plans = {}
+                    state.writes_since_prepared = False
+                    state.record_prepared(layer)
+
+        return step
+
+    def restore_load_layout(self, layer: torch.nn.Module) -> None:
+        """Return the layer, from any state, to the layout ``weight_loader``
+        writes, in place and within the cap, so that new weights can be
+        loaded into it (RL weight updates, sleep-mode wake-up).
+
+        A step of an interrupted preparation that had started is finished (a
+        step never started is not run: a preparation that failed, e.g. on a
+        cap too small, does not block a reload); then the steps done are
+        undone: the swizzled scales are unswizzled in place (their
+        parameters become linear [E, R, C] views of the same storage), a
+        reorder is undone when the layer was loaded as [w1; w3], and the
+        global scale parameters get their loaded values back. A fold stays
+        (``weight_prep_state.folds`` records it; the next preparation folds
+        only what changed). The kernel's views are dropped: ``forward``
+        refuses until the layer is prepared again. Resumable after an
+        exception like the preparation.
+
+        Where the bytes cannot be trusted (parameters modified, replaced or
+        converted since the preparation, e.g. ``layer.to(torch.bfloat16)``)
+        or the exact restore fails, the parameters get the load layout's
+        shapes and dtypes (reusing their storage where it fits) and the
+        layer is marked torn: preparing it is refused until a complete
+        reload. Holds the layer's lock.
+        """
+        state = get_prep_state(layer)
+        with state.lock:
+            if state.status is PrepStatus.LOADING:
+                if not load_layout_ok(layer, self.moe_config):
+                    reset_load_layout(
+                        self, layer, state, "parameters were replaced or converted"
+                    )
+                return
+            changed = (
+                state.changed(layer) if state.status is PrepStatus.PREPARED else {}
+            )
+            if changed:
+                why = f"parameters changed after the preparation: {sorted(changed)}"
+                reset_load_layout(self, layer, state, why)
+                return
+            try:
+                restore_exactly(self, layer, state)
+            except Exception as err:  # noqa: BLE001 - the layer is reset, torn
+                logger.warning("restoring the MoE layer's load layout failed (%s); "
+                               "the layer needs a complete reload", err)  # fmt: skip
+                reset_load_layout(
+                    self, layer, state, f"restoring the load layout failed: {err}"
+                )
 
     def _check_prepared(self) -> None:
         if self._fc2_input_scale is None:
