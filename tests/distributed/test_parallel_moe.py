@@ -116,6 +116,7 @@ def two_ranks(checkpoint):
     return results, reference
 
 
+@pytest.mark.slow  # two spawned ranks
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_every_rank_returns_the_single_process_output(two_ranks, scenario):
     results, reference = two_ranks
@@ -130,6 +131,7 @@ def test_every_rank_returns_the_single_process_output(two_ranks, scenario):
         assert torch.equal(results[0][name]["y"], results[1][name]["y"])
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_each_rank_holds_its_shard_and_the_collective_sums(two_ranks):
     results, _ = two_ranks
     for rank, result in enumerate(results):
@@ -151,6 +153,7 @@ def _fail_on_rank_1(rank):
     return "unreachable"
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_a_failing_rank_ends_the_job_with_its_error():
     import multiprocessing
     import time

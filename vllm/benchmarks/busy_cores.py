@@ -17,6 +17,8 @@ import contextlib
 import multiprocessing as mp
 from collections.abc import Iterator
 
+from vllm.utils.signal_utils import children_ignore_sigint
+
 __all__ = ["busy_cores"]
 
 _START_TIMEOUT_S = 120.0
@@ -58,7 +60,8 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
             ready = ctx.Event()
             proc = ctx.Process(target=_copy_forever, args=(ready, threads),
                                daemon=True)  # fmt: skip
-            proc.start()
+            with children_ignore_sigint():  # Ctrl-C is the parent's
+                proc.start()
             procs.append((proc, ready))
         for _, ready in procs:
             if not ready.wait(_START_TIMEOUT_S):

@@ -25,6 +25,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from vllm.utils.signal_utils import children_ignore_sigint
+
 __all__ = ["WorkerError", "spawn_workers"]
 
 #: How long finished workers get to exit on their own before being stopped.
@@ -110,8 +112,10 @@ def spawn_workers(
             )  # fmt: skip
             for rank in range(world_size)
         ]
-        for proc in procs:
-            proc.start()
+        # Ctrl-C is the parent's: it stops the workers in the finally below.
+        with children_ignore_sigint():
+            for proc in procs:
+                proc.start()
         for _, send in pipes:
             send.close()  # the parent only reads
         ok = False
