@@ -19,6 +19,12 @@ on 4-byte words against the same call on bytes (a scale at an odd address,
 the fallback path), and the fold's lookup tables against the float32 fold
 through a buffer that preceded them.
 
+W4A16 (``--w4a16``, FlashInfer's packed b12x layout): each step of the
+in-place W4A16 preparation (codes and scales of w13, then of w2; the [w3; w1]
+w13 rotated on the way) against the memcpy of the bytes it rewrites, one
+thread, quiet; checked byte for byte against the reference
+(``nvfp4_utils.w4a16_pack_*``) before it is timed.
+
 Medians of --repeats, each on a fresh layer. First on the machine as it is,
 then with --busy-cores processes each copying memory on one core (another
 worker preparing its shard), started for that measurement and stopped after
@@ -218,6 +224,98 @@ def measure_alternatives(tensors: dict, repeats: int) -> dict[str, float]:
             "fold_table_s": table_t, "fold_float_s": float_t}  # fmt: skip
 
 
+W4A16_STEPS = ["validate", "halves", "exponents", "w13", "w2", "finalize", "kernel"]
+
+
+def _w4a16_layer(preset, tensors):
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    layer = FusedMoE(
+        num_experts=preset.num_experts, top_k=preset.top_k,
+        hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+        activation=preset.activation,
+        quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+        moe_backend="flashinfer_b12x_emulated", place_w3w1_at_load=True,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, value in tensors.items():
+            getattr(layer, name).copy_(value)  # taken as [w3; w1]: rotated
+    return layer
+
+
+def _check_w4a16(preset, tensors) -> None:
+    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+        w4a16_pack_blockscale,
+        w4a16_pack_weight,
+        w4a16_scale_exponent,
+    )
+
+    layer = _w4a16_layer(preset, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    pw = layer.quant_method.experts.packed_weights
+    rotate = preset.intermediate_size if preset.is_gated else 0
+    for prefix, rot in (("w13", rotate), ("w2", 0)):
+        w, s = tensors[f"{prefix}_weight"], tensors[f"{prefix}_weight_scale"]
+        x = w4a16_scale_exponent(s)
+        for e0 in range(0, w.shape[0], 16):  # the reference, 16 experts at a time
+            want_w = w4a16_pack_weight(w[e0 : e0 + 16], rot)
+            want_s = w4a16_pack_blockscale(s[e0 : e0 + 16], x, rot)
+            got_w = getattr(pw, prefix)[e0 : e0 + 16]
+            got_s = getattr(pw, f"{prefix}_scale")[e0 : e0 + 16]
+            if not (torch.equal(got_w, want_w) and torch.equal(
+                    got_s.view(torch.uint8), want_s.view(torch.uint8))):  # fmt: skip
+                raise SystemExit(f"W4A16 {prefix} differs from the reference")
+
+
+def measure_w4a16(preset, tensors, repeats: int) -> dict:
+    """Per W4A16 step: median time and the memcpy of the bytes it rewrites."""
+    times: dict[str, list[float]] = {s: [] for s in [*W4A16_STEPS, "total"]}
+    device = torch.device("cpu")
+    for _ in range(repeats):
+        layer = _w4a16_layer(preset, tensors)
+        steps = layer.quant_method.preparation_steps(layer)
+        with moe_prep_threads(device):
+            total = 0.0
+            for name, fn in steps:
+                start = time.perf_counter()
+                fn()
+                dt = time.perf_counter() - start
+                total += dt
+                times[name].append(dt)
+        times["total"].append(total)
+        del layer, steps
+    nbytes = {s: 0 for s in times}
+    for prefix in ("w13", "w2"):
+        nbytes[prefix] = sum(tensors[f"{prefix}_{k}"].numel()
+                             for k in ("weight", "weight_scale"))  # fmt: skip
+    nbytes["total"] = nbytes["w13"] + nbytes["w2"]
+    floors = _time_memcpy(set(nbytes.values()), repeats)
+    return {
+        step: {
+            "time_s": _median(v),
+            "bytes": nbytes[step],
+            "memcpy_s": floors[nbytes[step]],
+        }  # fmt: skip
+        for step, v in times.items()
+    }
+
+
+def format_w4a16(result: dict) -> str:
+    lines = [
+        "W4A16 (FlashInfer's packed layout, in place; one thread, quiet)",
+        f"{'step':<10}{'MiB':>7}{'memcpy':>10}{'time':>10}{'x memcpy':>10}",
+    ]
+    for step, rec in result.items():
+        ratio = (f"{rec['time_s'] / rec['memcpy_s']:.1f}x" if rec["memcpy_s"]
+                 else "-")  # fmt: skip
+        lines.append(
+            f"{step:<10}{rec['bytes'] / MIB:>7.0f}{rec['memcpy_s'] * 1e3:>8.1f}ms"
+            f"{rec['time_s'] * 1e3:>8.1f}ms{ratio:>10}"
+        )
+    return "\n".join(lines)
+
+
 def _cell(rec: dict) -> str:
     t, floor = rec["time_s"], rec["memcpy_s"]
     if t is None:
@@ -276,6 +374,10 @@ def main() -> int:
         "(default: its value, 1 when unset; 0: the run's torch setting)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--w4a16", choices=["also", "only", "no"], default="also",
+        help="time the W4A16 preparation's steps too (only: nothing else)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.threads is not None:
@@ -284,6 +386,17 @@ def main() -> int:
         os.environ["VLLM_MOE_PREP_CPU_THREADS"] = str(args.prep_threads)
     preset = get_preset(args.model)
     tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), args.seed)
+    w4a16 = None
+    if args.w4a16 != "no":
+        _check_w4a16(preset, tensors)
+        with moe_prep_threads(torch.device("cpu")):
+            w4a16 = measure_w4a16(preset, tensors, args.repeats)
+        print(format_w4a16(w4a16))
+    if args.w4a16 == "only":
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"w4a16": w4a16}, f, indent=1)
+        return 0
     _check(preset, tensors)
     prep_threads = os.environ.get("VLLM_MOE_PREP_CPU_THREADS", "1 (default)")
     header = (
@@ -327,7 +440,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"header": header, "busy_cores": args.busy_cores,
                        "conditions": {str(k): v for k, v in conditions.items()},
-                       "alternatives": alternatives}, f, indent=1)  # fmt: skip
+                       "alternatives": alternatives, "w4a16": w4a16}, f,
+                      indent=1)  # fmt: skip
     return 0
 
 

@@ -11,6 +11,7 @@ import torch
 
 from vllm.benchmarks.moe_model_presets import MoEModelPreset
 from vllm.distributed.launcher import spawn_workers
+from vllm.distributed.parallel_state import backend_for_device
 
 __all__ = [
     "RankShard",
@@ -110,4 +111,4 @@ def run_ranks(params: dict) -> list[dict]:
     # The backend follows the device the ranks compute on: gloo for
     # --device cpu even on a GPU host, NCCL for --device cuda.
     return spawn_workers(rank_job, params["world_size"], args=(params,),
-                         device=params["device"])  # fmt: skip
+                         backend=backend_for_device(params["device"]))  # fmt: skip

@@ -1,18 +1,25 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Measure the peak memory torch allocates while a block of code runs."""
+"""Measure the peak memory torch allocates while a block of code runs, and
+the memory this process may still allocate."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CUDA_ALLOCATION_ROUNDING", "PeakMemory", "measure_peak_memory"]
+__all__ = [
+    "CUDA_ALLOCATION_ROUNDING",
+    "PeakMemory",
+    "available_memory_bytes",
+    "measure_peak_memory",
+]
 
 #: The CUDA caching allocator rounds every block up to a multiple of 512
 #: bytes (``kMinBlockSize``); ``torch.cuda.memory_allocated`` counts the
@@ -174,3 +181,54 @@ def measure_peak_memory(
     result.timeline = _own_allocation_levels(_cpu_allocation_events(prof), round_to)
     result.peak_bytes = max((lvl for _, lvl in result.timeline), default=0)
     result.net_bytes = result.timeline[-1][1] if result.timeline else 0
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Bytes this process can still allocate, as far as the system says: the
+    least of the machine's available memory (``MemAvailable``), the room left
+    under the address-space and data limits (``ulimit -v``/``-d``) and under
+    the cgroup's memory limit (v2 or v1). None when none is known."""
+    candidates = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) << 10)
+    except OSError:
+        pass
+    for limit, used in (
+        (resource.RLIMIT_AS, "VmSize"),
+        (resource.RLIMIT_DATA, "VmData"),
+    ):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and (now := _status_kib(used)) is not None:
+            candidates.append(max(0, soft - now))
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):  # fmt: skip
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            candidates.append(max(0, limit - usage))
+    return min(candidates) if candidates else None

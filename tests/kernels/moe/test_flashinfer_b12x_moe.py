@@ -30,8 +30,11 @@ from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts import (
     FlashInferB12xEmulatedExperts,
     FlashInferB12xExperts,
+    FlashInferB12xW4A16Experts,
     is_flashinfer_b12x_moe_available,
 )
+from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
@@ -384,3 +387,63 @@ def test_weights_only_emulation_is_exact_when_the_fold_is_exact(gated):
     # I rows) swapped is nowhere near.
     wrong = fused_moe(x, _swap_gate_up(dw1), dw2, logits, topk, True, act)
     assert rel_rms_error(out, wrong) > 0.5
+
+
+# --- W4A16: FlashInfer's packed layout, BF16 activations -------------------------
+
+_W4A16_KERNEL = FlashInferB12xW4A16Experts.is_supported_device(
+    torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+)
+W4A16_BACKENDS = [
+    pytest.param(
+        "flashinfer_b12x",
+        marks=pytest.mark.skipif(
+            not _W4A16_KERNEL, reason=f"b12x W4A16 kernel: {_W4A16_KERNEL.reason}"
+        ),
+    ),
+    "flashinfer_b12x_emulated",
+]
+# W4A16 vs the BF16 MoE on the checkpoint's exact dequantized weights: the
+# packed layout decodes to the checkpoint's weights exactly (the factor 2^x
+# and 2^119 / 2^x cancel; no scale of real-magnitude weights is flushed), so
+# only BF16 rounding is left, as for WEIGHTS_ONLY_TOL above; the kernel adds
+# its accumulation order (FP32). Negative control: gate and up swapped.
+W4A16_TOL = WEIGHTS_ONLY_TOL
+
+
+@pytest.mark.parametrize("backend", W4A16_BACKENDS)
+@pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
+@pytest.mark.parametrize("e,topk", [(8, 2), (16, 4)])
+@pytest.mark.parametrize("m,n,k", [(2, 128, 256), (16, 256, 512)], ids=str)
+def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, backend):
+    device = "cuda" if backend == "flashinfer_b12x" else "cpu"
+    seed = m * 1000 + e * 10 + topk
+    w1, w2 = bf16_experts(e, n, k, gated=gated, seed=seed)
+    # Real checkpoint magnitudes (std 0.02), unit-variance FC outputs anyway
+    # (the activations are scaled up instead of the weights down).
+    w1, w2 = w1.float() * 0.02 * k**0.5, w2.float() * 0.02 * n**0.5
+    tensors = quantize_experts_modelopt(w1, w2, gated=gated)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(m, k, generator=gen) / (0.02 * k**0.5)).bfloat16()
+    logits = torch.randn(m, e, generator=gen)
+    layer = FusedMoE(
+        num_experts=e, top_k=topk, hidden_size=k, intermediate_size=n,
+        activation="silu" if gated else "relu2",
+        quant_config=ModelOptNvFp4Config(quant_mode="w4a16"), moe_backend=backend,
+        device=device, place_w3w1_at_load=False,
+    )  # fmt: skip
+    load_nvfp4_experts(layer, tensors)
+    layer.quant_method.process_weights_after_loading(layer)
+    experts = layer.quant_method.experts
+    assert isinstance(experts, FlashInferB12xW4A16Experts)
+    assert experts.packed_weights.w13.dtype == torch.int32
+    out = layer(x.to(device), logits.to(device)).cpu()
+    assert out.shape == (m, k) and out.dtype == torch.bfloat16
+    act = "silu" if gated else "relu2"
+    dw1, dw2 = dequantized_experts(tensors, gated=gated)
+    ref = fused_moe(x, dw1, dw2, logits, topk, True, act)
+    err = rel_rms_error(out, ref)
+    assert err < W4A16_TOL, f"W4A16 vs dequantized: {err:.4f}"
+    wrong = fused_moe(x, _swap_gate_up(dw1), dw2, logits, topk, True, act)
+    control = rel_rms_error(out, wrong)
+    assert control > WEIGHTS_ONLY_CONTROL_MARGIN * W4A16_TOL, control

@@ -156,7 +156,8 @@ class FusedMoE(torch.nn.Module):
         self.moe_backend = moe_backend
         self.experts_kwargs = dict(experts_kwargs or {})
         self.prefix = prefix
-        experts_cls = get_nvfp4_experts_class(moe_backend)
+        quant_mode = getattr(quant_config, "quant_mode", "w4a4")
+        experts_cls = get_nvfp4_experts_class(moe_backend, quant_mode)
         experts_cls.check_supported(self.moe_config, "nvfp4", device)
         if ep_size > 1 and not experts_cls.supports_expert_parallel():
             raise ValueError(
@@ -369,7 +370,8 @@ class FusedMoE(torch.nn.Module):
         topk_weights, topk_ids = fused_topk(
             hidden_states, router_logits, self.top_k, self.renormalize
         )
-        if self.ep_size > 1:
+        experts = getattr(self.quant_method, "experts", None)
+        if self.ep_size > 1 and not getattr(experts, "takes_global_expert_ids", False):
             # Global -> local expert ids; experts of other ranks become -1.
             local = topk_ids - self._first_expert
             owned = (local >= 0) & (local < self.local_num_experts)

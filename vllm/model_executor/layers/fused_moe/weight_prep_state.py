@@ -148,6 +148,10 @@ class MoEWeightPrepState:
     torn_reason: str = ""
     writes_since_prepared: bool = False
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    #: small facts a preparation records for its later steps and for the
+    #: way back (W4A16: the scale exponents, taken before the scales are
+    #: rewritten, and the rotation), by the experts' own keys
+    values: dict[str, Any] = field(default_factory=dict)
 
     # -- copies (copy.deepcopy, pickle, torch.save) ----------------------------
     def __getstate__(self) -> dict:

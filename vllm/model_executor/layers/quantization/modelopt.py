@@ -108,7 +108,7 @@ class ModelOptNvFp4FusedMoE:
     ):
         self.quant_config = quant_config
         self.moe = moe
-        self.experts_cls = get_nvfp4_experts_class(backend)
+        self.experts_cls = get_nvfp4_experts_class(backend, quant_config.quant_mode)
         self.experts_kwargs = experts_kwargs
         # One experts object for the layer's lifetime: it holds the kernel's
         # views of the prepared weights, which a re-preparation updates.
