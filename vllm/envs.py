@@ -39,6 +39,10 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # preparing at the same moment) that wait dominated (measured in
     # docs/design/nvfp4_moe_weight_preparation.md, "Threads").
     "VLLM_MOE_PREP_CPU_THREADS": _non_negative_int("VLLM_MOE_PREP_CPU_THREADS", 1),
+    # 1: a prepared MoE layer also checksums its parameters' bytes and checks
+    # them at every forward and re-preparation (catches param.data.copy_, which
+    # the version counter misses). A debug mode: it reads every weight.
+    "VLLM_MOE_PREP_VERIFY": _non_negative_int("VLLM_MOE_PREP_VERIFY", 0),
 }
 
 

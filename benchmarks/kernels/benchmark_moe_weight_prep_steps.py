@@ -69,6 +69,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzled_blockscale_shape,
 )
+from vllm.utils.argparse_utils import core_count, non_negative_int, positive_int
 
 MIB = 1 << 20
 STEPS = ["validate", "fold", "reorder", "swizzle", "total"]
@@ -352,23 +353,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3.6-35b-a3b",
                         choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument(
-        "--busy-cores", type=int, default=1,
+        "--busy-cores", type=core_count, default=1,
         help="processes that keep a core busy copying memory during the second "
         "measurement (0: quiet only)",
     )  # fmt: skip
     parser.add_argument(
-        "--busy-threads", type=int, default=1,
+        "--busy-threads", type=positive_int, default=1,
         help="intra-op threads of each busy process (default 1; 2 on a 2-core "
         "machine makes a neighbour that runs parallel operations itself)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads", type=positive_int, default=None,
         help="torch intra-op threads for the whole run (default: torch's)",
     )  # fmt: skip
     parser.add_argument(
-        "--prep-threads", type=int, default=None,
+        "--prep-threads", type=non_negative_int, default=None,
         help="threads of the bounded steps on CPU, i.e. VLLM_MOE_PREP_CPU_THREADS "
         "(default: its value, 1 when unset; 0: the run's torch setting)",
     )  # fmt: skip

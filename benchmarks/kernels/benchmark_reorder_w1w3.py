@@ -41,6 +41,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
+from vllm.utils.argparse_utils import core_count, positive_int
 from vllm.utils.mem_utils import measure_peak_memory
 
 MIB = 1 << 20
@@ -198,24 +199,27 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=gated, choices=gated)
     parser.add_argument(
-        "--devices", nargs="+", default=None, help="default: cpu, and cuda if present"
-    )
-    parser.add_argument("--repeats", type=int, default=7)
+        "--devices", nargs="+", default=None, choices=["cpu", "cuda"],
+        help="default: cpu, and cuda if present",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument(
-        "--caps-kib", nargs="+", type=int, default=[1024, 4096, 16384],
+        "--caps-kib", nargs="+", type=positive_int, default=[1024, 4096, 16384],
         help="extra max_transient_bytes values, in KiB, beside the 64 MiB default",
     )  # fmt: skip
     parser.add_argument(
-        "--tile-sweep-kib", nargs="*", type=int, default=None,
+        "--tile-sweep-kib", nargs="*", type=positive_int, default=None,
         help="also time the in-place swap with these bounce-buffer sizes (KiB), "
         "overriding the per-device tile: how the default tile was chosen",
     )  # fmt: skip
     parser.add_argument(
-        "--busy-cores", type=int, default=0,
+        "--busy-cores", type=core_count, default=0,
         help="processes keeping a core busy copying memory during the run",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
+    if "cuda" in (args.devices or []) and not torch.cuda.is_available():
+        parser.error("--devices cuda: no CUDA device is available")
     devices = args.devices or (
         ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     )

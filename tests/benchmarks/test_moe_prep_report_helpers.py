@@ -67,3 +67,58 @@ def test_plot_has_a_legend_units_and_one_colour_per_step():
         colours = [line.get_color() for line in ax.get_lines()][: len(steps)]
         want = [STEP_COLOURS[s] for s in steps]
         assert [mcolors.to_hex(c) for c in colours] == [mcolors.to_hex(c) for c in want]
+
+
+def _result(**extra):
+    mib = 1 << 20
+
+    def rec(step, seconds, levels, growth=0):
+        return {"step": step, "time_s": seconds, "growth_bytes": growth,
+                "timeline": list(enumerate(levels)),
+                "peak_bytes": max(levels, default=0)}  # fmt: skip
+
+    return {
+        "model": "m", "device": "cpu", "max_transient_bytes": 64 * mib,
+        "first_layer_timelines": {
+            "legacy": [rec("reorder", 0.09, [288 * mib, 0]),
+                       rec("swizzle", 0.08, [64 * mib, 0]),
+                       rec("fold", 0.27, [288 * mib, 0])],
+            "bounded": [rec("validate", 0.003, []),
+                        rec("reorder", 0.02, [2 * mib, 0]),
+                        rec("swizzle", 0.01, [2 * mib, 0])],
+        },
+        **extra,
+    }  # fmt: skip
+
+
+def test_plot_panels_have_their_own_scale_and_draw_the_memory_limit():
+    from vllm.benchmarks.moe_weight_prep_report import plot_figure
+
+    fig = plot_figure(_result(memory_limit_bytes=100 << 20))
+    legacy, bounded = fig.axes
+    # Each panel scaled to its own trace: the bounded one (2 MiB) is readable
+    # next to the legacy one (288 MiB), not a line along the bottom.
+    assert 288 < legacy.get_ylim()[1] < 400
+    assert 2 < bounded.get_ylim()[1] < 3
+    # The cap and the limit: drawn where they fall within the panel ...
+    lines = {line.get_label(): line.get_ydata()[0] for line in legacy.get_lines()}
+    assert lines["bounded cap"] == 64 and lines["--memory-limit"] == 100
+    # ... else named, with their value, in the panel's corner.
+    texts = " ".join(t.get_text() for t in bounded.texts)
+    assert "bounded cap 64.0 MiB: above this scale" in texts
+    assert "--memory-limit 100.0 MiB: above this scale" in texts
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[-2:] == ["bounded cap", "--memory-limit"]
+    # Control: without --memory-limit there is no such line or label.
+    fig = plot_figure(_result())
+    assert "--memory-limit" not in [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "--memory-limit" not in [x.get_label() for x in fig.axes[0].get_lines()]
+
+
+def test_plot_of_a_parallel_run_names_its_rank():
+    from vllm.benchmarks.moe_weight_prep_report import plot_figure
+
+    fig = plot_figure(_result(tp_size=2, ep_size=1, rank=0, shard="TP 0/2"))
+    assert "rank 0 of 2 (TP 0/2" in fig._suptitle.get_text()
+    fig = plot_figure(_result(tp_size=1, ep_size=1, rank=0, shard="TP 0/1"))
+    assert "rank" not in fig._suptitle.get_text()

@@ -12,6 +12,7 @@ from vllm.entrypoints.cli.main import main
 MIB = 1 << 20
 
 
+@pytest.mark.slow
 def test_qwen36_one_layer_report_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
     main(["bench", "moe-weight-prep", "--model", "qwen3.6-35b-a3b",
@@ -21,7 +22,7 @@ def test_qwen36_one_layer_report_json_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "free memory needed above the resident weights: legacy 288.0 MiB" in text
     assert "legacy EXCEEDS, bounded fits" in text
-    result = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())["ranks"][0]
     summary = result["summary"]
     assert summary["legacy"]["reorder"]["max_transient_bytes"] == 288 * MIB
     assert summary["legacy"]["fold"]["max_transient_bytes"] >= 4 * 32 * MIB
@@ -63,7 +64,7 @@ def test_checkpoint_directory(tmp_path, capsys, fmt):
           "--json", str(out_json)])  # fmt: skip
     text = capsys.readouterr().out
     assert f"({fmt}), checkpoint weights" in text
-    result = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())["ranks"][0]
     assert result["num_layers"] == 2 and result["tp_size"] == 1
     # Per layer: w13 [8, 512, 128] + scales [8, 512, 16].
     assert result["shapes"]["w13_weight"] == [8, 512, 128]
@@ -79,6 +80,7 @@ PARALLEL = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(PARALLEL))
 def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
     flags, shard, w13 = PARALLEL[case]
@@ -106,6 +108,7 @@ def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
     assert lines[4].startswith("max")
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capsys):
     # Rank 1's experts (4..7 under EP 2) include one with a NaN global
     # scale: rank 1 fails at load, rank 0 (waiting for it before the next
@@ -126,7 +129,9 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capsys):
         main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
               "--enable-expert-parallel", "--no-progress"])  # fmt: skip
     assert exit_info.value.code == 1
-    assert time.monotonic() - start < 60
+    # Well before the collectives' 600 s timeout (a hang would reach it);
+    # seconds on a quiet machine, 69 s once with ~8 sessions on 2 cores.
+    assert time.monotonic() - start < 300
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("vllm bench moe-weight-prep: error: rank 1: "), err
     assert "expert 6" in err[-1] and "Traceback" not in "\n".join(err)
@@ -139,14 +144,16 @@ BAD_ARGUMENTS = {
     "memory limit zero": (["--memory-limit", "0"], "at least one byte"),
     "tiny cap": (["--max-transient", "1"], "below 64KiB"),
     "cap 63KiB": (["--max-transient", "63KiB"], "below 64KiB"),
-    "tp 0": (["--tp", "0"], "--tp: must be at least 1, got 0"),
+    "tp 0": (["--tp", "0"],
+             "argument --tp/-tp/--tensor-parallel-size: must be at least 1, got 0"),
     "num layers 0": (["--num-layers", "0"], "--num-layers: must be at least 1"),
     "busy cores -1": (["--busy-cores", "-1"], "--busy-cores: must be at least 0"),
     "json in a missing directory": (["--json", "/nonexistent-dir/r.json"],
                                     "directory /nonexistent-dir does not exist"),
     "plot is a directory": (["--plot", "/"], "--plot /: is a directory"),
-    "checkpoint is not a directory": (["--checkpoint", "/nonexistent-ckpt"],
-                                      "not a directory"),
+    "checkpoint does not exist": (["--checkpoint", "/nonexistent-ckpt"],
+                                  "--checkpoint /nonexistent-ckpt: no such directory"),
+    "checkpoint is a file": (["--checkpoint", __file__], "not a directory"),
 }  # fmt: skip
 
 
@@ -158,7 +165,8 @@ def test_bad_arguments_are_one_line_errors_before_the_run(case, capsys, monkeypa
     def never(*a, **k):
         raise AssertionError("the run started despite a bad argument")
 
-    monkeypatch.setattr(job, "run_benchmark", never)
+    for name in ("rank_job", "run_ranks", "busy_cores"):
+        monkeypatch.setattr(job, name, never)
     source = [] if "--checkpoint" in argv else ["--model", "qwen3.6-35b-a3b"]
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "moe-weight-prep", *source, "--no-progress", *argv])
@@ -187,7 +195,7 @@ def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, caps
     ckpt = _example(tmp_path / "c", layers=3)
     main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
           "--json", str(out_json)])  # fmt: skip
-    result = json.loads(out_json.read_text())
+    result = json.loads(out_json.read_text())["ranks"][0]
     layers = result["layers"]
     assert len(layers) == 3
     for variant in ("legacy", "bounded"):

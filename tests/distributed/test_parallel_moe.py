@@ -25,8 +25,11 @@ import torch
 
 from tests.kernels.moe.utils import rel_rms_error
 from vllm.distributed import (
+    destroy_model_parallel,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    init_distributed_environment,
+    initialize_model_parallel,
     tensor_model_parallel_all_reduce,
 )
 from vllm.distributed.launcher import WorkerError, spawn_workers
@@ -63,10 +66,12 @@ SCENARIOS = [
     ("ep2", 2, {"enable_expert_parallel": True, "reduce_results": True}, False),
     # top-4 of 8 experts: every token's experts span both ranks.
     ("ep2_top4", 4, {"enable_expert_parallel": True, "reduce_results": True}, False),
-    ("tp2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 2, "reduce_results": True},
-     True),
+    # Negative controls: both ranks hold rank 0's shard. The layer refuses to
+    # reduce that (test_ranks_that_disagree_are_refused_on_every_rank), so
+    # the worker sums the partials itself.
+    ("tp2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 2}, True),
     ("ep2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 1, "ep_rank": 0,
-                                "ep_size": 2, "reduce_results": True}, True),
+                                "ep_size": 2}, True),
 ]  # fmt: skip
 
 
@@ -75,8 +80,10 @@ def _worker(rank, ckpt_dir, x, logits):
     assert get_tensor_model_parallel_world_size() == 2
     ckpt = NVFP4MoECheckpoint(ckpt_dir)
     out = {}
-    for name, top_k, parallel, _ in SCENARIOS:
+    for name, top_k, parallel, negative in SCENARIOS:
         layer, y = _run(ckpt, x, logits, top_k, **parallel)
+        if negative:
+            y = tensor_model_parallel_all_reduce(y)
         out[name] = {
             "y": y,
             "w13_rows": layer.w13_weight.shape[1],
@@ -105,10 +112,11 @@ def two_ranks(checkpoint):
     ckpt = NVFP4MoECheckpoint(checkpoint)
     reference = {k: _run(ckpt, x, logits, k)[1] for k in (2, 4)}
     results = spawn_workers(_worker, 2, args=(str(checkpoint), x, logits),
-                            timeout_s=120, deadline_s=120)  # fmt: skip
+                            timeout_s=600, deadline_s=600)  # fmt: skip
     return results, reference
 
 
+@pytest.mark.slow  # two spawned ranks
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s[0] for s in SCENARIOS])
 def test_every_rank_returns_the_single_process_output(two_ranks, scenario):
     results, reference = two_ranks
@@ -123,6 +131,7 @@ def test_every_rank_returns_the_single_process_output(two_ranks, scenario):
         assert torch.equal(results[0][name]["y"], results[1][name]["y"])
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_each_rank_holds_its_shard_and_the_collective_sums(two_ranks):
     results, _ = two_ranks
     for rank, result in enumerate(results):
@@ -144,6 +153,7 @@ def _fail_on_rank_1(rank):
     return "unreachable"
 
 
+@pytest.mark.slow  # two spawned ranks
 def test_a_failing_rank_ends_the_job_with_its_error():
     import multiprocessing
     import time
@@ -217,3 +227,75 @@ def test_parallel_arguments_are_checked():
     # Without a group: a single process, nothing to reduce.
     layer = FusedMoE(**ckpt_args, reduce_results=True, enable_expert_parallel=True)
     assert (layer.moe_config.tp_size, layer.ep_size) == (1, 1)
+
+
+# --- ranks that disagree, groups smaller than the world -------------------------
+
+
+def _disagreeing_worker(rank, ckpt_dir, x, logits):
+    ckpt = NVFP4MoECheckpoint(ckpt_dir)
+    out = {}
+
+    def error_of(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return "no error"
+
+    # Expert parallelism on rank 0 only: both layers are split two ways.
+    out["ep_on_rank0"] = error_of(
+        lambda: _run(
+            ckpt, x, logits, 2, enable_expert_parallel=rank == 0, reduce_results=True
+        )
+    )
+    # Both ranks take tensor-parallel rank 0's shard.
+    out["same_shard"] = error_of(
+        lambda: _run(ckpt, x, logits, 2, tp_rank=0, tp_size=2, reduce_results=True)
+    )
+    # The agreeing layer still runs after the refusals (collectives in step).
+    out["agree"] = _run(ckpt, x, logits, 2, reduce_results=True)[1]
+    # A tensor-parallel group of one in a world of two: no reduction.
+    destroy_model_parallel()
+    initialize_model_parallel(1)
+    out["tp1_group"] = (get_tensor_model_parallel_rank(),
+                        get_tensor_model_parallel_world_size())  # fmt: skip
+    layer, out["tp1"] = _run(ckpt, x, logits, 2, reduce_results=True)
+    out["tp1_split"] = (layer.moe_config.tp_size, layer.ep_size)
+    destroy_model_parallel()
+    out["init"] = error_of(lambda: initialize_model_parallel(2 if rank == 0 else 1))
+    initialize_model_parallel(2)  # the launcher's group back, for its teardown
+    return out  # fmt: skip
+
+
+def test_ranks_that_disagree_are_refused_on_every_rank(checkpoint):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, H, generator=gen).bfloat16()
+    logits = torch.randn(8, E, generator=gen)
+    reference = _run(NVFP4MoECheckpoint(checkpoint), x, logits, 2)[1]
+    results = spawn_workers(_disagreeing_worker, 2, args=(str(checkpoint), x, logits),
+                            timeout_s=600, deadline_s=600)  # fmt: skip
+    for rank, out in enumerate(results):
+        assert "enable_expert_parallel: rank 0 has 1, rank 1 has 0" in out[
+            "ep_on_rank0"], (rank, out["ep_on_rank0"])  # fmt: skip
+        assert (
+            "two ranks hold the same shard (ep_rank/tp_rank: rank 0 has (0, 0), "
+            "rank 1 has (0, 0))"
+        ) in out["same_shard"], (rank, out["same_shard"])
+        assert rel_rms_error(out["agree"], reference) < TOL
+        assert out["tp1_group"] == (0, 1)
+        assert out["tp1_split"] == (1, 1)
+        assert torch.equal(out["tp1"], reference)  # whole layer on each rank
+        assert "ranks disagree on tensor_model_parallel_size: rank 0 has 2, rank 1 " \
+            "has 1" in out["init"], (rank, out["init"])  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size, rank", [(2, 2), (2, -2), (2, 5), (-3, 0), (0, 0)])
+def test_out_of_range_rank_at_init_is_refused(world_size, rank):
+    with pytest.raises(ValueError, match="rank|world_size"):
+        init_distributed_environment(
+            world_size=world_size, rank=rank, distributed_init_method="tcp://x:1"
+        )
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()

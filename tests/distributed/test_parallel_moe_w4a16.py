@@ -72,8 +72,8 @@ def two_ranks():
     x = torch.randn(16, H, generator=gen).bfloat16()
     logits = torch.randn(16, E, generator=gen)
     reference = {g: _run(_tensors(g), g, x, logits)[1] for g in (True, False)}
-    results = spawn_workers(_worker, 2, args=(x, logits), timeout_s=180,
-                            deadline_s=180)  # fmt: skip
+    results = spawn_workers(_worker, 2, args=(x, logits), timeout_s=600,
+                            deadline_s=600)  # fmt: skip
     return results, reference
 
 

@@ -67,10 +67,16 @@ MOE_MODEL_PRESETS: dict[str, MoEModelPreset] = {
 
 
 def get_preset(name: str) -> MoEModelPreset:
-    """The preset called ``name`` (case-insensitive); ValueError listing the rest."""
-    key = name.lower()
-    if key not in MOE_MODEL_PRESETS:
-        raise ValueError(
-            f"unknown model preset {name!r}; known: {', '.join(MOE_MODEL_PRESETS)}"
-        )
-    return MOE_MODEL_PRESETS[key]
+    """The preset called ``name``, or describing the model ``name`` (its
+    Hugging Face id, e.g. "Qwen/Qwen3.6-35B-A3B", as the report prints it);
+    case-insensitive. ValueError listing the presets otherwise."""
+    key = name.strip().lower()
+    if key in MOE_MODEL_PRESETS:
+        return MOE_MODEL_PRESETS[key]
+    for preset in MOE_MODEL_PRESETS.values():
+        if preset.hf_id.lower() == key:
+            return preset
+    raise ValueError(
+        f"unknown model preset {name!r}; known: {', '.join(MOE_MODEL_PRESETS)} "
+        "(or their ids: --model list)"
+    )

@@ -27,33 +27,39 @@ the ``--checkpoint`` source in ``moe_checkpoint_source`` and the report in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
+import time
 
 import torch
 
 from vllm.benchmarks.busy_cores import busy_cores
 from vllm.benchmarks.moe_checkpoint_source import checkpoint_source
 from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
+from vllm.benchmarks.moe_prep_precision import PRECISION_CHOICES
 from vllm.benchmarks.moe_w4a16_cli import (
     add_quant_arg,
     resolve_quant,
     run_w4a16_command,
 )
-from vllm.benchmarks.moe_weight_prep_ranks import run_ranks, shard_of
+from vllm.benchmarks.moe_weight_prep_ranks import rank_job, run_ranks, shard_of
 from vllm.benchmarks.moe_weight_prep_report import (
+    format_job_time,
     format_mib,
     format_ranks,
     format_report,
     write_plot,
 )
-from vllm.benchmarks.moe_weight_prep_run import run_benchmark
+from vllm.benchmarks.moe_weight_prep_run import check_num_layers
+from vllm.benchmarks.output_files import check_output_path, write_atomically
+from vllm.distributed.launcher import WorkerError
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
 )
-from vllm.utils.argparse_utils import non_negative_int, positive_int
+from vllm.utils.argparse_utils import RunError, core_count, positive_int
 
 __all__ = [
     "CLI_DESCRIPTION",
@@ -104,8 +110,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--model",
-        help="model preset (synthetic weights of its exact shapes), or 'list': "
-        + ", ".join(MOE_MODEL_PRESETS),
+        help="model preset (synthetic weights of its exact shapes), by name or "
+        "by the model's id (e.g. Qwen/Qwen3.6-35B-A3B); 'list' prints them "
+        "(with --json, also as JSON): " + ", ".join(MOE_MODEL_PRESETS),
     )
     source.add_argument(
         "--checkpoint",
@@ -125,9 +132,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--global-scale-mode",
         default="alpha",
         choices=["alpha", "fold"],
-        help="how per-expert global scales reach the kernel: 'alpha' keeps them as "
-        "the kernel's alphas (exact, default); 'fold' multiplies them into the "
-        "FP8 block scales (upstream's contract)",
+        help="how per-expert global scales reach the kernel: 'alpha' (default) "
+        "keeps them as the kernel's alphas and the prepared weights decode to "
+        "the checkpoint's exactly when gate and up share their global scale (as "
+        "ModelOpt exports them; where they differ the ratio is folded into one "
+        "half, about 3%% relative RMS); 'fold' multiplies them into the FP8 "
+        "block scales (upstream's contract; 5-70%% at real weight magnitudes). "
+        "The report prints each mode's measured error",
+    )
+    parser.add_argument(
+        "--precision",
+        default="sample",
+        choices=list(PRECISION_CHOICES),
+        help="the precision report on the first layer: 'sample' (default) "
+        "decodes the first, middle and last expert's first, middle and last "
+        "128-row tile of w13 and w2 (stated in the report); 'full' every "
+        "expert and row (slow on large layers); 'off' none",
     )
     parser.add_argument(
         "--device",
@@ -137,6 +157,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tp",
+        "-tp",
+        "--tensor-parallel-size",
+        dest="tp",
         type=positive_int,
         default=1,
         metavar="N",
@@ -146,6 +169,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--enable-expert-parallel",
+        "-ep",
         action="store_true",
         help="with --tp N: shard the experts over the N ranks instead of I "
         "(N divides the number of experts)",
@@ -168,25 +192,32 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SIZE",
         help="free memory allowed above the resident weights: enforced on CUDA, "
-        "checked against the meter on CPU",
+        "checked against the meter on CPU; drawn in the plot",
     )
     parser.add_argument(
         "--busy-cores",
-        type=non_negative_int,
+        type=core_count,
         default=0,
         metavar="N",
         help="keep N cores busy with processes copying memory while measuring, "
-        "as other workers preparing their shards would (default 0)",
+        "as other workers preparing their shards would (default 0; at most the "
+        "cores this process may run on)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the synthetic weights (default 0)"
     )
-    parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write all results as JSON: {world_size, ..., ranks: [one result "
+        "per rank]}, the same layout for any --tp",
+    )
     parser.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a PNG of the first layer's memory over the steps, and the "
-        "time per step",
+        help="plot the first layer's memory over the steps, legacy and bounded "
+        "(rank 0's with --tp N); the format follows the extension (png, svg, "
+        "pdf, ...; none: .png is added)",
     )
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (for logs)"
@@ -196,7 +227,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def _list_presets() -> str:
     lines = [
         f"{'preset':<26}{'layers':>7}{'H':>6}{'E':>5}{'top-k':>6}{'I':>7}  act   "
-        f"{'w13/layer':>12}"
+        f"{'w13/layer':>12}  model id"
     ]
     for p in MOE_MODEL_PRESETS.values():
         rows = p.w13_rows()
@@ -204,7 +235,7 @@ def _list_presets() -> str:
         lines.append(
             f"{p.name:<26}{p.num_moe_layers:>7}{p.hidden_size:>6}"
             f"{p.num_experts:>5}{p.top_k:>6}{p.intermediate_size:>7}  "
-            f"{p.activation:<5} {format_mib(nbytes):>12}"
+            f"{p.activation:<5} {format_mib(nbytes):>12}  {p.hf_id}"
         )
     return "\n".join(lines)
 
@@ -215,26 +246,36 @@ def _list_presets() -> str:
 MIN_CLI_MAX_TRANSIENT = 64 << 10
 
 
-def _check_output_path(path: str, flag: str) -> None:
-    """ValueError now, not after the run, if ``path`` cannot be written."""
-    target = os.path.abspath(path)
-    parent = os.path.dirname(target)
-    if os.path.isdir(target):
-        raise ValueError(f"{flag} {path}: is a directory")
-    if not os.path.isdir(parent):
-        raise ValueError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (
-        os.path.exists(target) and not os.access(target, os.W_OK)
-    ):
-        raise ValueError(f"{flag} {path}: not writable")
+def _write_json(path: str, value) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2)
+
+    write_atomically(path, write)
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device(name)
 
 
 def main(args: argparse.Namespace) -> int:
     """Run the command; returns the exit status (1 when the bounded
     preparation exceeds ``--memory-limit``). Bad arguments raise ValueError
-    before anything runs."""
+    before anything runs; a failure after that (the run, writing the plot)
+    raises :class:`RunError`. Outputs are written whole or not at all, the
+    JSON first."""
+    start = time.perf_counter()
+    json_path = args.json and check_output_path(args.json, "--json")
     if args.model == "list":
         print(_list_presets())
+        if json_path:
+            presets = [dataclasses.asdict(p) for p in MOE_MODEL_PRESETS.values()]
+            _write_json(json_path, {"presets": presets})
+            print(f"wrote {json_path}")
         return 0
     if args.max_transient < MIN_CLI_MAX_TRANSIENT:
         raise ValueError(
@@ -243,29 +284,25 @@ def main(args: argparse.Namespace) -> int:
             "per torch call and one layer could take hours; use at least 64KiB "
             "(default 64MiB)"
         )
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            _check_output_path(path, flag)
-    if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    else:
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device is available")
+    plot_path = args.plot and check_output_path(args.plot, "--plot", plot=True)
+    device = _device(args.device)
     n = args.tp
     if n > 1 and device.type == "cuda" and torch.cuda.device_count() < n:
         raise ValueError(
             f"--tp {n} on CUDA needs {n} devices, found {torch.cuda.device_count()}"
         )
+    if args.checkpoint and not os.path.lexists(args.checkpoint):
+        raise ValueError(f"--checkpoint {args.checkpoint}: no such directory")
     if resolve_quant(args) == "w4a16":
         return run_w4a16_command(args, device)
     rank0 = shard_of(0, n, args.enable_expert_parallel)
-    layer_tensors = None
     if args.checkpoint:
-        preset, layer_tensors = checkpoint_source(args.checkpoint, rank0, device)
+        preset, _ = checkpoint_source(args.checkpoint, rank0, device)
     else:
         preset = get_preset(args.model)
         rank0.check(preset)  # a bad --tp is refused before anything runs
+    # Before any rank is spawned: the same error for one rank or N.
+    check_num_layers(preset, args.num_layers)
     params = {
         "preset": preset,
         "checkpoint": args.checkpoint,
@@ -278,33 +315,42 @@ def main(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "progress": not args.no_progress,
         "global_scale_mode": args.global_scale_mode,
+        "precision": args.precision,
     }
-    with busy_cores(args.busy_cores):
-        if n == 1:
-            results = [
-                run_benchmark(
-                    preset, device=device, shard=rank0, num_layers=args.num_layers,
-                    max_transient_bytes=args.max_transient,
-                    memory_limit=args.memory_limit, seed=args.seed,
-                    progress=not args.no_progress, layer_tensors=layer_tensors,
-                    global_scale_mode=args.global_scale_mode,
-                )
-            ]  # fmt: skip
-        else:
-            results = run_ranks(params)
+    try:
+        with busy_cores(args.busy_cores):
+            results = [rank_job(0, params)] if n == 1 else run_ranks(params)
+    except KeyboardInterrupt:
+        if n > 1 and not args.no_progress:
+            # Rank 0's progress bar was stopped mid-line (by its parent, so
+            # it could not close it): the Ctrl-C line starts on its own.
+            sys.stderr.write("\n")
+        raise
+    except (ValueError, OSError, RuntimeError) as e:
+        if isinstance(e, WorkerError):
+            raise
+        raise RunError(str(e).splitlines()[0] if str(e) else repr(e)) from e
+    wall = time.perf_counter() - start
     for result in results:
         result["busy_cores"] = args.busy_cores
     print(format_report(results[0]))
     if n > 1:
         print()
         print(format_ranks(results))
-    if args.plot:
-        write_plot(results[0], args.plot)
-        print(f"wrote {args.plot}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results[0] if n == 1 else {"ranks": results}, f, indent=2)
-        print(f"wrote {args.json}")
+    print(format_job_time(results[0]["phase_times_s"], wall))
+    if json_path:
+        job = {"world_size": n, "expert_parallel": args.enable_expert_parallel,
+               "busy_cores": args.busy_cores, "precision": args.precision,
+               "wall_time_s": wall, "ranks": results}  # fmt: skip
+        _write_json(json_path, job)
+        print(f"wrote {json_path}")
+    if plot_path:
+        try:
+            write_atomically(plot_path, lambda tmp: write_plot(results[0], tmp))
+        except (OSError, ValueError, RuntimeError) as e:
+            what = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            raise RunError(f"--plot {args.plot}: {what}") from e
+        print(f"wrote {plot_path}")
     over = [
         r["rank"]
         for r in results

@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
 from vllm.benchmarks.moe_model_presets import MoEModelPreset
 from vllm.distributed.launcher import spawn_workers
+from vllm.distributed.parallel_state import backend_for_device
 
 __all__ = [
     "RankShard",
@@ -60,18 +62,31 @@ def shard_of(rank: int, world_size: int, expert_parallel: bool) -> RankShard:
 
 
 def rank_job(rank: int, params: dict) -> dict:
-    """One worker of ``--tp N``: prepares its own shard of every layer (in
-    step with the other ranks) and returns its ``run_benchmark`` result."""
+    """One rank of the job: prepares its own shard of every layer and returns
+    its ``run_benchmark`` result. In a worker of ``--tp N`` (``parallel``)
+    it meets the other ranks before each layer, so they prepare at the same
+    moment; with ``--tp 1`` it runs in the job's own process."""
     # Imported here: the run module imports RankShard from this one.
     from vllm.benchmarks.moe_checkpoint_source import checkpoint_source
     from vllm.benchmarks.moe_weight_prep_run import run_benchmark
-    from vllm.distributed import get_tp_group
 
     n = params["world_size"]
     shard = shard_of(rank, n, params["expert_parallel"])
     device = torch.device("cuda", rank) if params["device"] == "cuda" else (
         torch.device("cpu"))  # fmt: skip
     preset, layer_tensors = params["preset"], None
+    before_layer = None
+    if n > 1:
+        from tqdm import tqdm
+
+        from vllm.distributed import get_tp_group
+
+        before_layer = get_tp_group().barrier
+        # tqdm's default lock is a multiprocessing one (a semaphore): a rank
+        # stopped by the parent (Ctrl-C, a failed rank) would leave it to the
+        # resource tracker, which then warns of a leaked semaphore. A rank
+        # shares its bars with no other process: a thread lock does.
+        tqdm.set_lock(threading.RLock())
     if params["checkpoint"]:
         preset, layer_tensors = checkpoint_source(params["checkpoint"], shard, device)
     return run_benchmark(
@@ -85,11 +100,15 @@ def rank_job(rank: int, params: dict) -> dict:
         progress=params["progress"] and rank == 0,
         layer_tensors=layer_tensors,
         global_scale_mode=params["global_scale_mode"],
-        before_layer=get_tp_group().barrier,
+        before_layer=before_layer,
+        precision=params["precision"],
     )
 
 
 def run_ranks(params: dict) -> list[dict]:
     """Run ``params["world_size"]`` workers (:func:`rank_job`); their results
     in rank order."""
-    return spawn_workers(rank_job, params["world_size"], args=(params,))
+    # The backend follows the device the ranks compute on: gloo for
+    # --device cpu even on a GPU host, NCCL for --device cuda.
+    return spawn_workers(rank_job, params["world_size"], args=(params,),
+                         backend=backend_for_device(params["device"]))  # fmt: skip

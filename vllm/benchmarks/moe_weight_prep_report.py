@@ -5,8 +5,12 @@ of :func:`vllm.benchmarks.moe_weight_prep_run.run_benchmark`."""
 
 from __future__ import annotations
 
+import os
+
 __all__ = [
+    "JOB_PHASES",
     "STEP_COLOURS",
+    "format_job_time",
     "format_speedup",
     "plot_figure",
     "REPORTED_STEPS",
@@ -30,6 +34,14 @@ STEP_COLOURS = {
     "finalize": "tab:purple",
 }
 VARIANTS = ("legacy", "bounded")
+#: Phases of the job whose time the run records (``phase_times_s``).
+JOB_PHASES = {
+    "timed": "preparing (the timed runs, legacy and bounded)",
+    "metered": "metering",
+    "check": "byte checks",
+    "precision": "precision report",
+    "weights": "making or loading the weights",
+}
 
 
 def format_speedup(baseline_s: float | None, new_s: float | None) -> str:
@@ -123,15 +135,16 @@ def format_report(result: dict) -> str:
 
 def _precision_table(result: dict) -> str:
     p = result["precision"]
-    experts = p["alpha"]["experts"]
+    first = p[result["global_scale_mode"]]
+    how = first["sample"]["how"]
     lines = [
-        f"precision of the prepared weights vs the checkpoint (first layer; decoded "
-        f"experts {experts}; block scales of all experts; running mode "
-        f"{result['global_scale_mode']!r}):",
+        "precision of the prepared weights vs the checkpoint (first layer; "
+        f"--precision {how}: decoded {first['described']}; block scales of all "
+        f"experts; running mode {result['global_scale_mode']!r}):",
         f"{'mode':<7}{'rel. RMS':>10}{'subnormal':>12}{'saturated':>11}"
         f"{'zero':>9}   (block scales of w13 + w2; checkpoint: "
         + ", ".join(
-            f"{k} {sum(p['alpha'][t + '_checkpoint'][k] for t in ('w13', 'w2')):,}"
+            f"{k} {sum(first[t + '_checkpoint'][k] for t in ('w13', 'w2')):,}"
             for k in ("subnormal", "saturated", "zero")
         )
         + ")",
@@ -147,8 +160,26 @@ def _precision_table(result: dict) -> str:
             f"{100 * counts['subnormal'] / counts['total']:>11.1f}%"
             f"{100 * counts['saturated'] / counts['total']:>10.2f}%"
             f"{100 * counts['zero'] / counts['total']:>8.2f}%"
+            + ("   exact" if q["rel_rms"] == 0 else "")
         )
     return "\n".join(lines)
+
+
+def format_job_time(phases: dict[str, float], wall_s: float) -> str:
+    """Where the job's wall time went: ``phases`` maps a phase (as named in
+    :data:`JOB_PHASES`) to its seconds (rank 0's in a parallel run); the
+    rest is setup (starting the meter, processes, reading the config)."""
+    if wall_s <= 0:
+        return ""
+    parts = [
+        f"{JOB_PHASES[name]} {secs:.1f} s ({100 * secs / wall_s:.0f}%)"
+        for name, secs in phases.items()
+    ]
+    rest = wall_s - sum(phases.values())
+    return (
+        f"job: {wall_s:.1f} s wall: " + ", ".join(parts) + f", the rest {rest:.1f} s "
+        "(setup: the meter's first start, processes, the checkpoint's index)"
+    )
 
 
 def format_ranks(results: list[dict]) -> str:
@@ -182,12 +213,25 @@ def format_ranks(results: list[dict]) -> str:
 
 
 def write_plot(result: dict, path: str) -> None:
-    """Write :func:`plot_figure` of ``result`` as a PNG."""
+    """Write :func:`plot_figure` of ``result`` to ``path`` (format by its
+    extension; :func:`vllm.benchmarks.output_files.check_output_path`
+    checks it before the run)."""
     fig = plot_figure(result)  # selects the Agg backend first
     import matplotlib.pyplot as plt
 
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
+    try:
+        fig.savefig(path, dpi=110, format=fmt)
+    finally:
+        plt.close(fig)
+
+
+def _reference_lines(result: dict) -> list[tuple[float, str, str]]:
+    """(MiB, label, line style) of the horizontal lines a panel may draw."""
+    lines = [(result["max_transient_bytes"] / MIB, "bounded cap", "--")]
+    if result.get("memory_limit_bytes") is not None:
+        lines.append((result["memory_limit_bytes"] / MIB, "--memory-limit", ":"))
+    return lines
 
 
 def plot_figure(result: dict):
@@ -195,7 +239,13 @@ def plot_figure(result: dict):
     MiB allocated above the resident weights against time (ms). Each step
     spans its duration in the timed run, coloured as in ``STEP_COLOURS``;
     the metered allocation levels are spread over it in the order they
-    happened (the meter itself slows code down, so it gives no times)."""
+    happened (the meter itself slows code down, so it gives no times).
+
+    Each panel has its own scales (the bounded trace is a few MiB where the
+    legacy one reaches hundreds). The cap and ``--memory-limit`` are drawn
+    where they fall within a panel's range (up to 3x its highest level),
+    else named in its corner with their value. A parallel run's plot is of
+    one rank's result: the title says which."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,12 +254,13 @@ def plot_figure(result: dict):
     from matplotlib.patches import Patch
 
     timelines = result["first_layer_timelines"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4), sharey=True)
+    references = _reference_lines(result)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     for ax, variant in zip(axes, VARIANTS, strict=True):
         records = timelines[variant]
         total_ms = sum((r.get("time_s") or 0.0) for r in records) * 1e3
         min_width = max(total_ms, 1e-3) / 100  # a short step stays visible
-        x0, base = 0.0, 0.0
+        x0, base, top = 0.0, 0.0, 0.0
         for rec in records:
             width = max((rec.get("time_s") or 0.0) * 1e3, min_width)
             levels = [lvl for _, lvl in rec["timeline"]]
@@ -222,23 +273,45 @@ def plot_figure(result: dict):
             base += rec["growth_bytes"] / MIB
             xs.append(x0 + width)
             ys.append(base)
+            top = max(top, *ys)
             colour = STEP_COLOURS.get(rec["step"], "black")
             ax.step(xs, ys, where="post", color=colour, lw=1.6)
             ax.fill_between(xs, ys, step="post", color=colour, alpha=0.2, lw=0)
             x0 += width
-        ax.axhline(result["max_transient_bytes"] / MIB, color="black", ls="--", lw=0.8)
+        top = max(top, 1e-3)
+        off_scale = []
+        for mib, label, style in references:
+            if mib <= 3 * top:
+                ax.axhline(mib, color="black", ls=style, lw=0.8, label=label)
+                top = max(top, mib)
+            else:
+                off_scale.append(f"{label} {mib:,.1f} MiB: above this scale")
+        if off_scale:
+            ax.text(0.99, 0.97, "\n".join(off_scale), transform=ax.transAxes,
+                    ha="right", va="top", fontsize=8)  # fmt: skip
+        ax.set_ylim(0, top * 1.15)
         ax.set_xlim(0, x0)
         ax.set_xlabel("time (ms)")
+        ax.set_ylabel("MiB allocated above the resident weights")
         ax.set_title(f"{variant}: " + " -> ".join(r["step"] for r in records),
                      fontsize=9)  # fmt: skip
-    axes[0].set_ylabel("MiB allocated above the resident weights")
     present = {r["step"] for v in VARIANTS for r in timelines[v]}
     handles = [Patch(color=STEP_COLOURS[s], alpha=0.6, label=s)
                for s in REPORTED_STEPS if s in present]  # fmt: skip
-    handles.append(Line2D([], [], color="black", ls="--", lw=0.8, label="bounded cap"))
+    for _, label, style in references:
+        handles.append(Line2D([], [], color="black", ls=style, lw=0.8, label=label))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    world = result.get("tp_size", 1) * result.get("ep_size", 1)
+    rank = (
+        f", rank {result['rank']} of {world} ({result['shard']}; the others in "
+        "the JSON)"
+        if world > 1
+        else ""
+    )
     fig.suptitle(
-        f"{result['model']}: one MoE layer's weight preparation on {result['device']}"
+        f"{result['model']}: one MoE layer's weight preparation on "
+        f"{result['device']}{rank} (each panel its own scale)",
+        fontsize=10,
     )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig

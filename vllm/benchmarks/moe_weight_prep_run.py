@@ -4,9 +4,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -18,10 +19,17 @@ from vllm.benchmarks.legacy_moe_prep import (
 )
 from vllm.benchmarks.memory_limit import limit_cuda_memory
 from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_prep_precision import prepared_weight_precision
+from vllm.benchmarks.moe_prep_precision import (
+    PRECISION_CHOICES,
+    prepared_weight_precision,
+)
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.benchmarks.moe_weight_prep_ranks import RankShard
-from vllm.benchmarks.moe_weight_prep_report import REPORTED_STEPS, VARIANTS
+from vllm.benchmarks.moe_weight_prep_report import (
+    JOB_PHASES,
+    REPORTED_STEPS,
+    VARIANTS,
+)
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
@@ -33,6 +41,7 @@ from vllm.utils.mem_utils import measure_peak_memory
 
 __all__ = [
     "StepRecord",
+    "check_num_layers",
     "run_benchmark",
 ]
 
@@ -206,6 +215,34 @@ def _summarize(records: list[StepRecord]) -> dict[str, dict]:
 # --- the benchmark -------------------------------------------------------------------
 
 
+def check_num_layers(preset: MoEModelPreset, num_layers: int | None) -> int:
+    """The number of layers to run (``None``: all of ``preset``'s), or the
+    command line's ValueError; the job checks it before spawning ranks."""
+    layers = preset.num_moe_layers if num_layers is None else num_layers
+    if not 1 <= layers <= preset.num_moe_layers:
+        raise ValueError(
+            f"--num-layers must be in [1, {preset.num_moe_layers}] for "
+            f"{preset.name}, got {layers}"
+        )
+    return layers
+
+
+class _PhaseClock:
+    """``with clock("timed"): ...`` adds the block's wall time to
+    ``phases["timed"]``."""
+
+    def __init__(self, phases: dict[str, float]):
+        self.phases = phases
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] += time.perf_counter() - start
+
+
 def run_benchmark(
     preset: MoEModelPreset,
     *,
@@ -219,6 +256,7 @@ def run_benchmark(
     layer_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None,
     global_scale_mode: str = "alpha",
     before_layer: Callable[[], None] | None = None,
+    precision: str = "sample",
 ) -> dict:
     """Prepare ``num_layers`` layers of ``preset``, legacy and bounded.
 
@@ -227,8 +265,16 @@ def run_benchmark(
     of a parallel job meet there, so they prepare at the same moment).
 
     The bounded preparation runs with ``global_scale_mode`` ("alpha", the
-    default, or upstream's "fold"); the first layer is also prepared in the
-    other mode to report the precision of both (``precision``).
+    default, or upstream's "fold"). Unless ``precision`` is "off", the first
+    layer is also prepared in the other mode, and both are compared with the
+    checkpoint's weights (:func:`prepared_weight_precision`: a stated
+    "sample" of experts and rows, or "full").
+
+    Steps that do not apply to the layer (the reorder of non-gated experts)
+    are run, as the preparation does, but not reported: their figures are
+    None ("-" in the report). ``phase_times_s`` says where the run's time
+    went: the timed preparations themselves ("timed"), metering, checks, the
+    precision report, making or loading the weights.
 
     Layers are synthetic unless ``layer_tensors(i)`` returns the i-th MoE
     layer's parameters (checkpoint layout), e.g. read from a checkpoint.
@@ -241,15 +287,17 @@ def run_benchmark(
     shard = shard or RankShard()
     shard.check(preset)
     local_experts = preset.num_experts // shard.ep_size
-    layers = preset.num_moe_layers if num_layers is None else num_layers
-    if not 1 <= layers <= preset.num_moe_layers:
-        raise ValueError(
-            f"--num-layers must be in [1, {preset.num_moe_layers}] for "
-            f"{preset.name}, got {layers}"
-        )
+    layers = check_num_layers(preset, num_layers)
+    phases = dict.fromkeys(JOB_PHASES, 0.0)
+    clock = _PhaseClock(phases)
     per_layer: list[dict] = []
     timelines: dict[str, list[dict]] = {}
-    precision: dict[str, dict] = {}
+    if precision not in PRECISION_CHOICES:
+        raise ValueError(
+            f"--precision must be one of {PRECISION_CHOICES}, got {precision!r}"
+        )
+    precision_how = precision
+    report: dict[str, dict] = {}  # the precision report, per mode
     resident = None
     shapes = None
     synthetic = None  # a preset's layers share one shape: one set, reused
@@ -258,18 +306,10 @@ def run_benchmark(
     # on CPU); pay for it here, not in a layer's measurement.
     with measure_peak_memory(device):
         pass
-    for idx in tqdm(range(layers), desc=preset.name, unit="layer",
-                    disable=not progress):  # fmt: skip
-        if before_layer is not None:
-            before_layer()
-        if layer_tensors is None:
-            if synthetic is None:
-                synthetic = synthetic_layer_tensors(
-                    preset, shard.tp_size, device, seed, local_experts
-                )
-            tensors = synthetic
-        else:
-            tensors = layer_tensors(idx)
+
+    def _layer_rows(idx: int, tensors: dict) -> dict[str, list[StepRecord]]:
+        """Time, check, report the precision of and meter one layer."""
+        nonlocal resident, shapes, report
         resident = _resident_bytes(tensors.values())
         shapes = {k: list(v.shape) for k, v in tensors.items()}
         # Allocations depend on shapes and the cap only: each distinct shape
@@ -278,58 +318,89 @@ def run_benchmark(
         shape_key = tuple((k, tuple(v)) for k, v in shapes.items())
         meter = shape_key not in metered_shapes
         check = layer_tensors is not None or idx == 0
-        row: dict[str, list[StepRecord]] = {}
+        decode = precision_how != "off" and idx == 0
         with limit_cuda_memory(device, memory_limit):
             # Timed runs, then the accuracy check, then metered runs.
-            legacy_timed, legacy_out = _legacy_run(tensors, preset.is_gated, device,
-                                                   False)  # fmt: skip
-            bounded_timed, layer = _bounded_run(
-                preset, shard, tensors, device, max_transient_bytes, False,
-                global_scale_mode,
-            )  # fmt: skip
-            ok = not any(r.error for r in legacy_timed + bounded_timed)
-            if ok and check:
-                _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
-            del legacy_out
-            if ok and idx == 0:
-                experts = sorted({0, local_experts // 2, local_experts - 1})
-                precision[global_scale_mode] = prepared_weight_precision(
-                    layer, tensors, experts
+            with clock("timed"):
+                legacy_timed, legacy_out = _legacy_run(
+                    tensors, preset.is_gated, device, False
                 )
-            # Dropped before the other mode's copy is prepared: the tensors
-            # and one layer are alive at a time (DeepSeek-V3: 6 GiB each).
-            del layer
-            if ok and idx == 0:
-                other = "fold" if global_scale_mode == "alpha" else "alpha"
-                _, other_layer = _bounded_run(
+                bounded_timed, layer = _bounded_run(
                     preset, shard, tensors, device, max_transient_bytes, False,
-                    other,
+                    global_scale_mode,
                 )  # fmt: skip
-                precision[other] = prepared_weight_precision(
-                    other_layer, tensors, experts
-                )
-                del other_layer
-                precision = {m: precision[m] for m in ("alpha", "fold")}
+            ok = not any(r.error for r in legacy_timed + bounded_timed)
+            with clock("check"):
+                if ok and check:
+                    _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
+                del legacy_out
+            with clock("precision"):
+                if ok and decode:
+                    report[global_scale_mode] = prepared_weight_precision(
+                        layer, tensors, precision_how
+                    )
+                # Dropped before the other mode's copy is prepared: the
+                # tensors and one layer are alive at a time (DeepSeek-V3:
+                # 6 GiB each).
+                del layer
+                if ok and decode:
+                    other = "fold" if global_scale_mode == "alpha" else "alpha"
+                    _, other_layer = _bounded_run(
+                        preset, shard, tensors, device, max_transient_bytes, False,
+                        other,
+                    )  # fmt: skip
+                    report[other] = prepared_weight_precision(
+                        other_layer, tensors, precision_how
+                    )
+                    del other_layer
+                    report = {m: report[m] for m in ("alpha", "fold")}
             legacy_mem = bounded_mem = []
             if meter:
                 metered_shapes.add(shape_key)
-                legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
-                bounded_mem, _ = _bounded_run(preset, shard, tensors, device,
-                                              max_transient_bytes, True,
-                                              global_scale_mode)  # fmt: skip
-        row["legacy"] = _merge(legacy_timed, legacy_mem)
-        row["bounded"] = _merge(bounded_timed, bounded_mem)
-        if idx == 0:
-            timelines = {
-                v: [
-                    {"step": r.step, "timeline": r.timeline, "time_s": r.time_s,
-                     "growth_bytes": r.growth_bytes, "peak_bytes": r.peak_bytes}
-                    for r in row[v]
-                ]
-                for v in VARIANTS
-            }  # fmt: skip
-        per_layer.append(row)
-        del tensors
+                with clock("metered"):
+                    legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
+                    bounded_mem, _ = _bounded_run(preset, shard, tensors, device,
+                                                  max_transient_bytes, True,
+                                                  global_scale_mode)  # fmt: skip
+        row = {
+            "legacy": _merge(legacy_timed, legacy_mem),
+            "bounded": _merge(bounded_timed, bounded_mem),
+        }
+        if not preset.is_gated:
+            # Non-gated experts have no halves to swap: the reorder step runs
+            # (and records itself) but does not apply.
+            row = {v: [r for r in recs if r.step != "reorder"]
+                   for v, recs in row.items()}  # fmt: skip
+        return row
+
+    # A context manager: an exception (Ctrl-C) closes the bar, so what is
+    # printed next starts on a line of its own.
+    with tqdm(range(layers), desc=preset.name, unit="layer",
+              disable=not progress) as bar:  # fmt: skip
+        for idx in bar:
+            if before_layer is not None:
+                before_layer()
+            with clock("weights"):
+                if layer_tensors is None:
+                    if synthetic is None:
+                        synthetic = synthetic_layer_tensors(
+                            preset, shard.tp_size, device, seed, local_experts
+                        )
+                    tensors = synthetic
+                else:
+                    tensors = layer_tensors(idx)
+            row = _layer_rows(idx, tensors)
+            per_layer.append(row)
+            if idx == 0:
+                timelines = {
+                    v: [
+                        {"step": r.step, "timeline": r.timeline, "time_s": r.time_s,
+                         "growth_bytes": r.growth_bytes, "peak_bytes": r.peak_bytes}
+                        for r in row[v]
+                    ]
+                    for v in VARIANTS
+                }  # fmt: skip
+            del tensors
 
     summary = {}
     for v in VARIANTS:
@@ -367,7 +438,9 @@ def run_benchmark(
         "activation": preset.activation,
         "max_transient_bytes": max_transient_bytes,
         "global_scale_mode": global_scale_mode,
-        "precision": precision,
+        "precision": report,
+        "precision_how": precision_how,
+        "phase_times_s": phases,
         "memory_limit_bytes": memory_limit,
         "memory_limit_ok": limit_ok,
         "memory_limit_enforced": device.type == "cuda" and memory_limit is not None,

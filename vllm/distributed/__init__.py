@@ -5,6 +5,7 @@
 from vllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from vllm.distributed.parallel_state import (
     GroupCoordinator,
+    check_ranks_agree,
     destroy_distributed_environment,
     destroy_model_parallel,
     get_tensor_model_parallel_rank,
@@ -18,6 +19,7 @@ from vllm.distributed.parallel_state import (
 
 __all__ = [
     "GroupCoordinator",
+    "check_ranks_agree",
     "destroy_distributed_environment",
     "destroy_model_parallel",
     "get_tensor_model_parallel_rank",

@@ -12,8 +12,9 @@ needs, with its names, on ``torch.distributed`` process groups::
     tensor_model_parallel_all_reduce(x)   # vllm.distributed.communication_op
     destroy_model_parallel(); destroy_distributed_environment()
 
-Ranks [i * tp, (i + 1) * tp) form tensor-parallel group i. The backend is
-gloo on CPU and NCCL on CUDA unless given.
+Ranks [i * tp, (i + 1) * tp) form tensor-parallel group i. The backend
+follows the device the ranks compute on (``backend_for_device``): NCCL for
+CUDA, gloo otherwise, whatever hardware the host has, unless given.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch.distributed as dist
 
 __all__ = [
     "GroupCoordinator",
+    "backend_for_device",
+    "check_ranks_agree",
     "destroy_distributed_environment",
     "destroy_model_parallel",
     "get_tensor_model_parallel_rank",
@@ -68,6 +71,17 @@ class GroupCoordinator:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.device_group)
         return x
 
+    def all_gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length on all), in group order.
+        Every rank must call it."""
+        if self.world_size == 1:
+            return [list(values)]
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.device_group)
+        return [t.tolist() for t in out]
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.device_group)
@@ -77,8 +91,13 @@ _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 
 
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def backend_for_device(device: torch.device | str | None = None) -> str:
+    """The ``torch.distributed`` backend for ranks computing on ``device``
+    (default: torch's default device): "nccl" for CUDA, "gloo" otherwise. A
+    CPU job on a host that also has GPUs (``--device cpu --tp N``) uses gloo:
+    NCCL would need the CPU tensors on a GPU."""
+    device = torch.device(device if device is not None else torch.get_default_device())
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_distributed_environment(
@@ -88,20 +107,24 @@ def init_distributed_environment(
     local_rank: int = -1,
     backend: str | None = None,
     timeout: datetime.timedelta | None = None,
+    device: torch.device | str | None = None,
 ) -> None:
     """Join the default process group (``torch.distributed``) unless this
     process already has; sets the world group.
 
     ``world_size`` and ``rank`` of -1 are read by the init method (e.g. the
     ``WORLD_SIZE`` and ``RANK`` variables of ``env://``). ``backend``:
-    default gloo on CPU machines, NCCL with CUDA. ``local_rank`` (the device
+    default ``backend_for_device(device)``: NCCL when the ranks compute on
+    CUDA, gloo otherwise (also on a GPU host). ``local_rank`` (the device
     index on this node) selects the CUDA device with NCCL; -1 means
     ``rank``. Raises ValueError for a rank outside the world.
     """
     global _WORLD
-    if world_size != -1 and rank != -1 and not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    backend = backend or _default_backend()
+    if world_size < -1 or world_size == 0:
+        raise ValueError(f"world_size must be >= 1 (or -1), got {world_size}")
+    if rank < -1 or (world_size != -1 and not -1 <= rank < world_size):
+        raise ValueError(f"rank must be in [0, {world_size}) (or -1), got {rank}")
+    backend = backend or backend_for_device(device)
     if not dist.is_initialized():
         kwargs = {} if timeout is None else {"timeout": timeout}
         dist.init_process_group(backend, init_method=distributed_init_method,
@@ -146,6 +169,15 @@ def initialize_model_parallel(
         )
     if _TP is not None:
         raise RuntimeError("tensor model parallel group is already initialized")
+    # Every rank must split the world the same way (new_group below is
+    # collective): a rank that asked for another size would hang or pair
+    # the wrong ranks. One tiny all-gather over the world says so instead.
+    sizes = [v[0] for v in world.all_gather_ints([tp])]
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            "initialize_model_parallel: the ranks disagree on "
+            f"tensor_model_parallel_size: {_by_rank(sizes)}"
+        )
     backend = backend or world.backend
     mine = None
     for start in range(0, world.world_size, tp):
@@ -156,6 +188,41 @@ def initialize_model_parallel(
         if world.rank in ranks:
             mine = GroupCoordinator(ranks, world.rank, group, backend)
     _TP = mine
+
+
+def _by_rank(values: list) -> str:
+    return ", ".join(f"rank {r} has {v}" for r, v in enumerate(values))
+
+
+def check_ranks_agree(what: str, values: dict[str, int]) -> None:
+    """All-gather ``values`` over the tensor-parallel group and raise
+    ValueError, on every rank, naming each key whose value differs between
+    ranks. Keys starting with ``"rank:"`` are this rank's place instead:
+    they must differ on every rank (no two ranks holding the same shard).
+    Every rank of the group must call it, with the same keys; a group of
+    one returns at once."""
+    group = get_tp_group()
+    keys = sorted(values)
+    rows = group.all_gather_ints([int(values[k]) for k in keys])
+    problems = []
+    for i, key in enumerate(keys):
+        column = [row[i] for row in rows]
+        if key.startswith("rank:"):
+            pairs = [tuple(row[j] for j, k in enumerate(keys) if k.startswith("rank:"))
+                     for row in rows]  # fmt: skip
+            if len(set(pairs)) != len(pairs) and key == min(
+                k for k in keys if k.startswith("rank:")
+            ):
+                names = [k[5:] for k in keys if k.startswith("rank:")]
+                problems.append(f"two ranks hold the same shard ({'/'.join(names)}: "
+                                f"{_by_rank(pairs)})")  # fmt: skip
+        elif len(set(column)) != 1:
+            problems.append(f"{key}: {_by_rank(column)}")
+    if problems:
+        raise ValueError(
+            f"{what}: the {group.world_size} tensor-parallel ranks built different "
+            f"layers, so their results cannot be reduced: {'; '.join(problems)}"
+        )
 
 
 def model_parallel_is_initialized() -> bool:

@@ -5,22 +5,25 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 
 # The CPU peak-memory meter sees tensors freed that were allocated before it
 # started; c10 logs a warning for each. Quiet by default on the command line
 # (must be set before torch loads).
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import vllm  # noqa: E402
-from vllm.distributed.launcher import WorkerError  # noqa: E402
-from vllm.entrypoints.cli.benchmark.main import add_bench_subparser  # noqa: E402
+import vllm  # noqa: E402  (no torch: it loads inside main)
 
-__all__ = ["main"]
+__all__ = ["main", "make_parser"]
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from vllm.entrypoints.cli.benchmark.main import add_bench_subparser
+
     parser = argparse.ArgumentParser(
         prog="vllm",
         description="vLLM (NVFP4 MoE weight-preparation branch) command line.",
@@ -34,8 +37,51 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = make_parser()
+    prog = ["vllm"]  # the command's name once known, for the Ctrl-C line
+    try:
+        return _main(argv, prog)
+    except KeyboardInterrupt:
+        # Ctrl-C: one line and the shell's status for SIGINT, no traceback.
+        # Outputs are written whole or not at all, so nothing is left behind.
+        print(f"{prog[0]}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT
+
+
+def _exit_at_once(signum, frame) -> None:
+    os.write(2, b"vllm: interrupted\n")
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def _sigint_exits_at_once():
+    """Ctrl-C while the benchmarks import (torch: seconds) exits at once,
+    quietly: a KeyboardInterrupt in the middle of an import leaves modules
+    half-initialized, and the interpreter's exit then fails on them. Nothing
+    has been started or written yet, so there is nothing to clean up. Only
+    where Ctrl-C would raise KeyboardInterrupt (not when it is ignored, as
+    in a background job)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGINT) is not (
+        signal.default_int_handler
+    ):
+        yield
+        return
+    signal.signal(signal.SIGINT, _exit_at_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _main(argv: list[str] | None, prog: list[str]) -> int:
+    with _sigint_exits_at_once():
+        from vllm.distributed.launcher import WorkerError
+        from vllm.utils.argparse_utils import RunError
+
+        parser = make_parser()
     args = parser.parse_args(argv)
+    command = getattr(args, "command_parser", parser)
+    prog[0] = command.prog
     try:
         return args.dispatch(args) or 0
     except BrokenPipeError:
@@ -43,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         # Point stdout at /dev/null so the interpreter's final flush is quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
-    except WorkerError as e:
-        # A rank of a parallel run failed; the others were stopped.
-        command = getattr(args, "command_parser", parser)
+    except (WorkerError, RunError) as e:
+        # The run failed (a rank of a parallel run: the others were
+        # stopped): one line, status 1.
         command.exit(1, f"{command.prog}: error: {e}\n")
     except (ValueError, OSError) as e:
-        # One line, prefixed like argparse's own errors for the same command.
-        command = getattr(args, "command_parser", parser)
-        command.exit(2, f"{command.prog}: error: {e}\n")
+        # A bad argument, found before anything ran: the usage and one line,
+        # status 2, as argparse's own argument errors.
+        command.error(str(e))
 
 
 if __name__ == "__main__":

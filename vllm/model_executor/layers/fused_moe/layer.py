@@ -4,12 +4,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from vllm.distributed import (
+    check_ranks_agree,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     model_parallel_is_initialized,
@@ -19,6 +23,14 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.experts import get_nvfp4_experts_class
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    PrepStatus,
+    adopt_extra_state,
+    get_prep_state,
+    layout_extra_state,
+    reload_slots,
+    state_dict_problem,
+)
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
@@ -104,6 +116,8 @@ class FusedMoE(torch.nn.Module):
         if reduce_results and tp_size * ep_size > 1:
             _check_reduce_group(tp_size * ep_size)
         self.reduce_results = reduce_results
+        self.enable_expert_parallel = bool(enable_expert_parallel)
+        self._ranks_agree = False  # checked at the first reducing forward
         if intermediate_size % tp_size != 0:
             raise ValueError(
                 f"intermediate_size {intermediate_size} is not divisible by "
@@ -134,6 +148,7 @@ class FusedMoE(torch.nn.Module):
             in_dtype=params_dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            ep_size=ep_size,
         )
         self.top_k = top_k
         self.renormalize = renormalize
@@ -195,6 +210,28 @@ class FusedMoE(torch.nn.Module):
         first = "w3" if self.w13_loaded_as_w3w1 else "w1"
         return 0 if shard_id == first else 1
 
+    @contextlib.contextmanager
+    def loading_weights(self) -> Iterator[FusedMoE]:
+        """Hold the layer for a load of many ``weight_loader`` calls::
+
+            with layer.loading_weights():
+                for ...: layer.weight_loader(...)
+
+        No preparation, restore or forward of this layer (from another
+        thread) runs inside the block, so none sees half of the new weights;
+        an exception leaving the block after anything was written marks the
+        layer torn (a reload is all or nothing: see ``weight_prep_state``).
+        Re-entrant."""
+        state = get_prep_state(self)
+        with state.lock:
+            try:
+                yield self
+            except BaseException:
+                if state.writes_since_prepared and not state.torn:
+                    state.mark_torn(reload_slots(self.moe_config),
+                                    "a reload failed")  # fmt: skip
+                raise
+
     def weight_loader(
         self,
         param: torch.nn.Parameter,
@@ -225,6 +262,30 @@ class FusedMoE(torch.nn.Module):
         a global or input scale that is not finite and positive, or a block
         scale that is NaN or negative; nothing is written then.
         """
+        state = get_prep_state(self)
+        with state.lock:  # never beside a preparation, restore or forward
+            try:
+                slot = self._load_one(param, loaded_weight, weight_name, shard_id,
+                                      expert_id, state)  # fmt: skip
+            except BaseException:
+                if state.writes_since_prepared:
+                    # Part of this reload is written: all or nothing.
+                    state.mark_torn(reload_slots(self.moe_config),
+                                    f"a reload failed at {weight_name}")  # fmt: skip
+                raise
+            if slot is None:
+                return False
+            name, local, group = slot
+            state.clear_slot(name, local, group)
+            folds = state.folds.get(name)
+            if folds is not None:  # new block scales: nothing folded into them
+                folds[local, group] = 1.0
+            return True
+
+    def _load_one(self, param, loaded_weight, weight_name, shard_id, expert_id,
+                  state) -> tuple[str, int, int] | None:  # fmt: skip
+        """weight_loader's work: the (name, local expert, row group) written,
+        or None for an expert of another rank."""
         if shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"shard_id must be w1, w2 or w3, got {shard_id!r}")
         name = next((n for n, p in self.named_parameters() if p is param), None)
@@ -234,7 +295,7 @@ class FusedMoE(torch.nn.Module):
             raise ValueError(f"{weight_name}: shard {shard_id} cannot go into {name}")
         local = self.map_global_expert(expert_id)
         if local is None:
-            return False
+            return None
         tp, rank = self.moe_config.tp_size, self.moe_config.tp_rank
         src = loaded_weight
         scalar = name.endswith(("_weight_scale_2", "_input_scale"))
@@ -256,12 +317,14 @@ class FusedMoE(torch.nn.Module):
         # A prepared layer goes back to the load layout before anything lands.
         self.quant_method.restore_load_layout(self)
         param = getattr(self, name)
+        group = self._w13_row_group(shard_id) if name.startswith("w13_") else 0
         if scalar:
             dest = param.data[local]
             if name.startswith("w13_"):
-                dest = dest[self._w13_row_group(shard_id)]
+                dest = dest[group]
+            state.writes_since_prepared = True
             dest.copy_(src.reshape(()).float())
-            return True
+            return name, local, group
         if src.dtype != param.dtype:
             raise ValueError(
                 f"{weight_name}: expected dtype {param.dtype} for {name}, got "
@@ -275,8 +338,8 @@ class FusedMoE(torch.nn.Module):
                     f"{weight_name}: expected shape {want} for {name}[{shard_id}], got "
                     f"{tuple(src.shape)}"
                 )
-            g = self._w13_row_group(shard_id)
-            dest = param.data[local, g * rows : (g + 1) * rows]
+            dest = param.data[local, group * rows : (group + 1) * rows]
+            state.writes_since_prepared = True
             dest.copy_(src.narrow(0, rank * rows, rows))
         else:
             cols = param.shape[2]
@@ -286,13 +349,24 @@ class FusedMoE(torch.nn.Module):
                     f"{weight_name}: expected shape {want} for {name}, got "
                     f"{tuple(src.shape)}"
                 )
+            state.writes_since_prepared = True
             param.data[local].copy_(src.narrow(1, rank * cols, cols))
-        return True
+        return name, local, group
 
     def forward(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor
     ) -> torch.Tensor:
-        """[T, H] ``params_dtype`` activations, [T, E] router logits -> [T, H]."""
+        """[T, H] floating-point activations (computed in ``params_dtype``),
+        [T, E] floating-point router logits (E: the global number of experts)
+        -> [T, H]. TypeError / ValueError naming the argument otherwise. With
+        ``reduce_results`` on a split layer, the first call checks that every
+        rank of the group built the same layer (ValueError on every rank)."""
+        self._check_forward_inputs(hidden_states, router_logits)
+        parallel = self.moe_config.tp_size * self.ep_size > 1
+        if self.reduce_results and parallel and not self._ranks_agree:
+            check_ranks_agree(f"FusedMoE {self.prefix or ''}".strip(),
+                              self._parallel_signature())  # fmt: skip
+            self._ranks_agree = True
         topk_weights, topk_ids = fused_topk(
             hidden_states, router_logits, self.top_k, self.renormalize
         )
@@ -305,10 +379,104 @@ class FusedMoE(torch.nn.Module):
         out = self.quant_method.apply(
             self, hidden_states.to(self.params_dtype), topk_weights, topk_ids
         )
-        if self.reduce_results and self.moe_config.tp_size * self.ep_size > 1:
+        if self.reduce_results and parallel:
             # Each rank holds a partial sum (its slice of I, or its experts).
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+    def _check_forward_inputs(self, hidden_states, router_logits) -> None:
+        h, e = self.moe_config.hidden_dim, self.global_num_experts
+        for name, t in (("hidden_states", hidden_states),
+                        ("router_logits", router_logits)):  # fmt: skip
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"{name} must be a torch.Tensor, got {type(t).__name__}"
+                )
+            if not t.is_floating_point():
+                raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != h:
+            raise ValueError(
+                f"hidden_states must be [T, {h}] (hidden_size {h}), got "
+                f"{tuple(hidden_states.shape)}"
+            )
+        t = hidden_states.shape[0]
+        if tuple(router_logits.shape) != (t, e):
+            raise ValueError(
+                f"router_logits must be [T, {e}] = [{t}, {e}] (T tokens of "
+                f"hidden_states, {e} global experts), got "
+                f"{tuple(router_logits.shape)}"
+            )
+        if router_logits.device != hidden_states.device:
+            raise ValueError(
+                f"router_logits is on {router_logits.device}, hidden_states on "
+                f"{hidden_states.device}"
+            )
+
+    def _parallel_signature(self) -> dict[str, int]:
+        """What every rank of a reducing group must agree on (ranks aside),
+        and this rank's place (``tp_rank``/``ep_rank``: must differ)."""
+        moe = self.moe_config
+        return {
+            "num_experts": self.global_num_experts,
+            "hidden_size": moe.hidden_dim,
+            "intermediate_size": moe.intermediate_size_per_partition * moe.tp_size,
+            "top_k": self.top_k,
+            "activation": list(MoEActivation).index(moe.activation),
+            "renormalize": int(self.renormalize),
+            "tp_size": moe.tp_size,
+            "ep_size": self.ep_size,
+            "enable_expert_parallel": int(self.enable_expert_parallel),
+            "reduce_results": int(self.reduce_results),
+            "params_dtype": zlib.crc32(str(self.params_dtype).encode()),
+            "moe_backend": zlib.crc32(self.moe_backend.encode()),
+            "rank:tp_rank": moe.tp_rank,
+            "rank:ep_rank": self.ep_rank,
+        }
+
+    # -- copies and state dicts: the layout travels with the tensors ------------
+    def __getstate__(self) -> dict:
+        d = super().__getstate__()
+        state = d.get("weight_prep_state")
+        if state is not None:
+            with state.lock:
+                d["_prep_copy_facts"] = state.copy_facts(self)
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        facts = d.pop("_prep_copy_facts", None)
+        super().__setstate__(d)
+        state = getattr(self, "weight_prep_state", None)
+        if facts is not None and state is not None:
+            if state.status is PrepStatus.PREPARED:
+                # The kernel's views of the copy's own parameters.
+                self.quant_method.experts._bind_prepared(self)
+            state.after_copy(self, facts)
+
+    def get_extra_state(self) -> dict:
+        """The layout of the parameters' bytes, saved in ``state_dict()``
+        beside them (see ``weight_prep_state.layout_extra_state``)."""
+        return layout_extra_state(self)
+
+    def set_extra_state(self, extra: Any) -> None:
+        # Called by Module._load_from_state_dict after the parameters were
+        # copied; _load_from_state_dict below checked ``extra`` first.
+        adopt_extra_state(self, extra)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):  # fmt: skip
+        state = get_prep_state(self)
+        with state.lock:
+            problem = state_dict_problem(self, state_dict, prefix)
+            if problem:
+                error_msgs.append(f"FusedMoE {prefix or '(root)'}: {problem}")
+                return
+            if state_dict[prefix + "_extra_state"]["status"] != "prepared":
+                # Into the load layout first (from any state), as weight_loader.
+                self.quant_method.restore_load_layout(self)
+                state.torn = {}
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys,
+                                          error_msgs)  # fmt: skip
 
 
 def _resolve_parallelism(tp_rank, tp_size, ep_rank, ep_size, enable_ep):

@@ -15,23 +15,60 @@ itself must know which layout its bytes are in::
 * A second ``process_weights_after_loading`` on a PREPARED layer is a no-op.
 * After an exception, ``process_weights_after_loading`` resumes: steps done
   are skipped, the interrupted one continues from its last whole chunk.
-* ``weight_loader`` on a layer that is not LOADING first completes what was
-  started and returns the layer to the load layout (in place, bounded), so
-  new weights land where a fresh layer would have them.
+* ``weight_loader`` on a layer that is not LOADING returns it to the load
+  layout first (in place, bounded): a step started is finished, the steps
+  done are undone, a step never started is not run (so a preparation that
+  failed cannot block a reload).
+* One lock per layer (:attr:`MoEWeightPrepState.lock`, re-entrant): the
+  preparation, the restore, ``weight_loader``, ``load_state_dict`` and the
+  experts' ``apply`` hold it, so they never interleave on one layer.
+* **Torn.** A reload that fails after writing part of the layer (a bad
+  scale in expert 3, an interrupt), or a layer whose bytes can no longer be
+  trusted (parameters replaced or converted, e.g. ``layer.to(bf16)``), is
+  *torn*: preparing it is refused until every (expert, row group) slot of
+  every required parameter has been written again (:meth:`mark_torn`).
+* **Guard.** A PREPARED layer records each parameter's fingerprint (storage,
+  offset, shape, strides, dtype, ``_version``) and, with
+  ``VLLM_MOE_PREP_VERIFY=1``, a checksum of its bytes; writes that bypass
+  the loader are refused at ``forward`` and at a re-preparation.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+import vllm.envs as envs
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
 )
 
-__all__ = ["MoEWeightPrepState", "PrepStatus", "get_prep_state"]
+__all__ = [
+    "REQUIRED_SUFFIXES",
+    "MoEWeightPrepState",
+    "PrepStatus",
+    "adopt_extra_state",
+    "check_load_layout",
+    "get_prep_state",
+    "layout_extra_state",
+    "load_layout_ok",
+    "nvfp4_moe_param_specs",
+    "reload_slots",
+    "state_dict_problem",
+    "weight_checksum",
+]
+
+#: Parameters a complete reload must write, per prefix (``w13_``, ``w2_``):
+#: input scales are optional in checkpoints (b12x quantizes dynamically).
+REQUIRED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
+
+# 2^16 - 15, the largest prime below 2^16: position weights of the checksum.
+_CHECKSUM_MOD = 65521
+_CHECKSUM_CHUNK = 1 << 16
 
 
 class PrepStatus(enum.Enum):
@@ -39,6 +76,25 @@ class PrepStatus(enum.Enum):
     PREPARING = "preparing"  # some preparation steps done (maybe interrupted)
     PREPARED = "prepared"  # kernel layout; forward may run
     RESTORING = "restoring"  # returning to the load layout (maybe interrupted)
+
+
+def weight_checksum(t: torch.Tensor) -> tuple[int, int]:
+    """(sum of bytes, position-weighted sum of bytes) of ``t``: a permutation
+    of rows or halves changes the second. Bounded memory: chunks of 64 Ki
+    bytes (about 1.5 MiB of int64 transients)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    plain = weighted = 0
+    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
+        chunk = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + chunk.numel(), device=chunk.device)
+        plain += int(chunk.sum())
+        weighted += int((chunk * (pos % _CHECKSUM_MOD + 1)).sum())
+    return plain, weighted
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+            tuple(t.stride()), t.dtype, t.device, t._version)  # fmt: skip
 
 
 @dataclass
@@ -50,33 +106,99 @@ class MoEWeightPrepState:
         done: names of the steps completed in the current direction
             (preparing or restoring), in order.
         progress: chunk progress of each started step, by step name.
+        undo: the preparation steps done when the restore began (what the
+            restore must undo).
+        load_w3w1: whether w13 rows were [w3; w1] when the preparation began
+            (the load layout a restore returns to); None before any.
         padded_storage: scale parameter name -> (storage data pointer, bytes)
             of a storage made with room for the swizzled, padded scales. A
             record, checked against the parameter before it is used: a
             parameter replaced by the caller loses it.
-        versions: parameter name -> ``tensor._version`` when the
-            preparation finished; a change means the parameters were written
-            outside ``weight_loader`` (see :meth:`check_unchanged`).
-        values: small facts a preparation records for its later steps and
-            for the way back (e.g. W4A16's scale exponents, taken before the
-            scales are rewritten), by the experts' own keys.
+        fingerprints: parameter name -> fingerprint when the preparation
+            finished (storage, offset, shape, strides, dtype, ``_version``).
+        checksums: parameter name -> :func:`weight_checksum` when prepared
+            (only with ``VLLM_MOE_PREP_VERIFY=1``).
+        folds: block-scale parameter name -> [E, G] float32 factor folded
+            into its FP8 values (absent: 1). In the load layout the global
+            scale parameters always hold the values as loaded.
+        global_scales: global-scale parameter name -> [E, G] values as
+            loaded, kept while the prepared parameter holds something else
+            (1 after a fold, the alpha): the restore puts them back.
+        plans: transient per-step data a resumed step must reuse.
+        torn: parameter name -> bool [E, G], True for slots that must be
+            written again before the layer may be prepared; empty when whole.
+        torn_reason: why the layer is torn.
+        writes_since_prepared: weight_loader wrote since the last
+            preparation (a failure then tears the layer).
+        lock: the layer's re-entrant lock (not copied: a copy gets its own).
     """
 
     status: PrepStatus = PrepStatus.LOADING
     done: list[str] = field(default_factory=list)
     progress: dict[str, ChunkProgress] = field(default_factory=dict)
+    undo: list[str] = field(default_factory=list)
+    load_w3w1: bool | None = None
     padded_storage: dict[str, tuple[int, int]] = field(default_factory=dict)
-    versions: dict[str, int] = field(default_factory=dict)
-    values: dict[str, object] = field(default_factory=dict)
+    fingerprints: dict[str, tuple | None] = field(default_factory=dict)
+    checksums: dict[str, tuple[int, int]] = field(default_factory=dict)
+    folds: dict[str, torch.Tensor] = field(default_factory=dict)
+    global_scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    plans: dict[str, Any] = field(default_factory=dict)
+    torn: dict[str, torch.Tensor] = field(default_factory=dict)
+    torn_reason: str = ""
+    writes_since_prepared: bool = False
+    lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
+    #: small facts a preparation records for its later steps and for the
+    #: way back (W4A16: the scale exponents, taken before the scales are
+    #: rewritten, and the rotation), by the experts' own keys
+    values: dict[str, Any] = field(default_factory=dict)
 
+    # -- copies (copy.deepcopy, pickle, torch.save) ----------------------------
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        d.pop("lock", None)  # a lock cannot be copied; the copy makes its own
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+        self.lock = threading.RLock()
+
+    def copy_facts(self, layer: torch.nn.Module) -> dict:
+        """What a faithful copy of ``layer`` may take over: which scale
+        storages have recorded room, and whether the prepared bytes are
+        untouched (checked on the original, before it is copied)."""
+        room = [n for n in self.padded_storage
+                if self.has_storage_room(n, getattr(layer, n))]  # fmt: skip
+        clean = self.status is not PrepStatus.PREPARED or not self.changed(layer)
+        return {"room": room, "clean": clean}
+
+    def after_copy(self, layer: torch.nn.Module, facts: dict) -> None:
+        """Re-key the records on the copy's own storages (see copy_facts)."""
+        self.padded_storage = {}
+        for n in facts["room"]:
+            self.record_storage_room(n, getattr(layer, n))
+        if self.status is PrepStatus.PREPARED:
+            if facts["clean"]:
+                self.record_prepared(layer)
+            else:  # modified before the copy: the copy refuses like the original
+                self.fingerprints = dict.fromkeys(self.fingerprints)
+
+    # -- steps -----------------------------------------------------------------
     def begin(self, status: PrepStatus) -> None:
-        """Enter PREPARING or RESTORING from the opposite resting state."""
+        """Enter PREPARING, RESTORING or LOADING: a new list of steps."""
         self.status = status
         self.done = []
         self.progress = {}
+        self.plans = {}
 
     def progress_of(self, step: str) -> ChunkProgress:
         return self.progress.setdefault(step, ChunkProgress())
+
+    def started(self, prefix: str) -> bool:
+        """Whether any chunk of a step whose progress key starts with
+        ``prefix`` was done."""
+        return any(k.split(".")[0] == prefix and p.done > 0
+                   for k, p in self.progress.items())  # fmt: skip
 
     def record_storage_room(self, name: str, t: torch.Tensor) -> None:
         """Record that ``t``'s storage was made with room for padded scales."""
@@ -87,26 +209,88 @@ class MoEWeightPrepState:
         s = t.untyped_storage()
         return self.padded_storage.get(name) == (s.data_ptr(), s.nbytes())
 
-    def record_versions(self, layer: torch.nn.Module) -> None:
-        self.versions = {n: p._version for n, p in layer.named_parameters()}
+    # -- the guard of a prepared layer -------------------------------------------
+    def record_prepared(self, layer: torch.nn.Module) -> None:
+        """Fingerprint (and with VLLM_MOE_PREP_VERIFY, checksum) every
+        parameter of a layer just prepared."""
+        params = dict(layer.named_parameters())
+        self.fingerprints = {n: _fingerprint(p) for n, p in params.items()}
+        self.checksums = (
+            {n: weight_checksum(p) for n, p in params.items()}
+            if envs.VLLM_MOE_PREP_VERIFY
+            else {}
+        )
+
+    def changed(self, layer: torch.nn.Module) -> dict[str, str]:
+        """Parameter name -> how it changed since the preparation finished."""
+        out = {}
+        params = dict(layer.named_parameters())
+        for n, fp in self.fingerprints.items():
+            p = params.get(n)
+            if p is None or fp is None:
+                out[n] = "replaced"
+                continue
+            now = _fingerprint(p)
+            if now[:6] != fp[:6]:
+                out[n] = "replaced (param.data = ..., .to(), ...)"
+            elif now[6] != fp[6]:
+                out[n] = "modified in place"
+        if envs.VLLM_MOE_PREP_VERIFY:
+            for n, want in self.checksums.items():
+                if n not in out and n in params and weight_checksum(params[n]) != want:
+                    out[n] = "modified in place (bytes differ: param.data.copy_?)"
+        return out
 
     def check_unchanged(self, layer: torch.nn.Module) -> None:
-        """RuntimeError if a prepared layer's parameters were written in place
-        other than through ``weight_loader`` (e.g. ``param.copy_``): their
-        bytes are then in the load layout while the layer says prepared."""
-        changed = [
-            n
-            for n, p in layer.named_parameters()
-            if n in self.versions and p._version != self.versions[n]
-        ]
+        """RuntimeError if a prepared layer's parameters were written or
+        replaced other than through ``weight_loader`` (``param.copy_``,
+        ``param.data = ...``; ``param.data.copy_`` with
+        ``VLLM_MOE_PREP_VERIFY=1``): their bytes are then not what the
+        kernel's views describe while the layer says prepared."""
+        changed = self.changed(layer)
         if changed:
+            what = ", ".join(f"{n} {how}" for n, how in changed.items())
             raise RuntimeError(
-                f"parameters {changed} of a prepared MoE layer were modified in "
-                "place after its preparation; load new weights through "
+                f"parameters of a prepared MoE layer were modified in place or "
+                f"replaced after its preparation ({what}); load new weights through "
                 "FusedMoE.weight_loader (or NVFP4MoECheckpoint.load_layer), which "
                 "returns the layer to its load layout first, then call "
                 "process_weights_after_loading again"
             )
+
+    # -- torn reloads ----------------------------------------------------------
+    def mark_torn(self, slots: dict[str, tuple[int, int]], reason: str) -> None:
+        """Every slot of ``slots`` (name -> (experts, row groups)) must be
+        written again before the layer may be prepared."""
+        self.torn = {n: torch.ones(shape, dtype=torch.bool)
+                     for n, shape in slots.items()}  # fmt: skip
+        self.torn_reason = reason
+
+    def clear_slot(self, name: str, expert: int, group: int) -> None:
+        """A slot was written (a whole shard of one expert)."""
+        mask = self.torn.get(name)
+        if mask is None:
+            return
+        mask[expert, group] = False
+        if not any(bool(m.any()) for m in self.torn.values()):
+            self.torn, self.torn_reason = {}, ""
+
+    def check_not_torn(self) -> None:
+        """RuntimeError naming what is missing when the layer is torn."""
+        if not self.torn:
+            return
+        missing = []
+        for n, m in self.torn.items():
+            experts = sorted({int(e) for e in m.nonzero()[:, 0]})
+            if experts:
+                shown = experts[:8] + (["..."] if len(experts) > 8 else [])
+                missing.append(f"{n} of local experts {shown}")
+        raise RuntimeError(
+            f"the MoE layer is torn ({self.torn_reason}): its weights are a mix "
+            "of two loads or cannot be trusted, so it is not prepared until a "
+            "complete reload through FusedMoE.weight_loader (or load_state_dict) "
+            f"has written again: {'; '.join(missing)}"
+        )
 
 
 def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
@@ -116,3 +300,157 @@ def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
         state = MoEWeightPrepState()
         layer.weight_prep_state = state
     return state
+
+
+def nvfp4_moe_param_specs(moe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of a layer's NVFP4 parameters in the load
+    layout, for a ``FusedMoEConfig`` ``moe`` (rows = 2I gated, I otherwise)."""
+    e, h = moe.num_experts, moe.hidden_dim
+    i, rows = moe.intermediate_size_per_partition, moe.w13_rows
+    groups = 2 if moe.is_act_and_mul else 1
+    return {
+        "w13_weight": ((e, rows, h // 2), torch.uint8),
+        "w13_weight_scale": ((e, rows, h // 16), torch.float8_e4m3fn),
+        "w13_weight_scale_2": ((e, groups), torch.float32),
+        "w13_input_scale": ((e, groups), torch.float32),
+        "w2_weight": ((e, h, i // 2), torch.uint8),
+        "w2_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
+        "w2_weight_scale_2": ((e,), torch.float32),
+        "w2_input_scale": ((e,), torch.float32),
+    }
+
+
+def reload_slots(moe) -> dict[str, tuple[int, int]]:
+    """Name -> (experts, row groups) of the slots a complete reload writes:
+    one per expert and shard (w1 / w3 of w13, w2) of each required
+    parameter (:data:`REQUIRED_SUFFIXES`)."""
+    groups = 2 if moe.is_act_and_mul else 1
+    return {
+        f"{prefix}_{suffix}": (moe.num_experts, groups if prefix == "w13" else 1)
+        for prefix in ("w13", "w2")
+        for suffix in REQUIRED_SUFFIXES
+    }
+
+
+def _layout_problems(layer: torch.nn.Module, moe) -> list[str]:
+    problems = []
+    for name, (shape, dtype) in nvfp4_moe_param_specs(moe).items():
+        t = getattr(layer, name, None)
+        if t is None:
+            problems.append(f"{name} is missing")
+        elif t.dtype != dtype or tuple(t.shape) != shape:
+            problems.append(
+                f"{name} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}"
+            )
+    return problems
+
+
+def load_layout_ok(layer: torch.nn.Module, moe) -> bool:
+    """Whether every NVFP4 parameter has its load-layout shape and dtype."""
+    return not _layout_problems(layer, moe)
+
+
+def check_load_layout(layer: torch.nn.Module, moe) -> None:
+    """ValueError naming each parameter whose shape or dtype is not the load
+    layout's (e.g. replaced, or converted by ``layer.to(dtype)``)."""
+    problems = _layout_problems(layer, moe)
+    if problems:
+        raise ValueError(
+            f"cannot prepare the MoE layer: {'; '.join(problems)}. Load the "
+            "weights again through FusedMoE.weight_loader, which restores the "
+            "load layout"
+        )
+
+
+# -- state dicts: the layout travels with the tensors ----------------------------
+
+_EXTRA_STATE_FORMAT = 1
+
+
+def layout_extra_state(layer: torch.nn.Module) -> dict:
+    """A ``FusedMoE``'s ``get_extra_state()``: whether its bytes are prepared,
+    how w13 is ordered, what is folded into the block scales, whether it is
+    torn. RuntimeError for a layer whose preparation or restore is
+    unfinished."""
+    state = get_prep_state(layer)
+    with state.lock:
+        if state.status in (PrepStatus.PREPARING, PrepStatus.RESTORING):
+            raise RuntimeError(
+                "state_dict() of a MoE layer whose preparation or restore was "
+                "interrupted: call process_weights_after_loading first"
+            )
+        return {
+            "format": _EXTRA_STATE_FORMAT,
+            "status": state.status.value,
+            "w13_loaded_as_w3w1": bool(layer.w13_loaded_as_w3w1),
+            "load_w3w1": state.load_w3w1,
+            "moe_backend": layer.moe_backend,
+            "global_scale_mode": _global_scale_mode(layer),
+            "folds": {k: v.clone() for k, v in state.folds.items()},
+            "global_scales": {k: v.clone() for k, v in state.global_scales.items()},
+            "torn": {k: v.clone() for k, v in state.torn.items()},
+            "torn_reason": state.torn_reason,
+        }
+
+
+def adopt_extra_state(layer: torch.nn.Module, extra: dict) -> None:
+    """Take over the layout of a state dict whose parameters were just copied
+    into ``layer`` (checked by :func:`state_dict_problem` first)."""
+    state = get_prep_state(layer)
+    layer.w13_loaded_as_w3w1 = extra["w13_loaded_as_w3w1"]
+    state.load_w3w1 = extra["load_w3w1"]
+    state.folds = {k: v.clone() for k, v in extra["folds"].items()}
+    state.global_scales = {k: v.clone() for k, v in extra["global_scales"].items()}
+    state.torn = {k: v.clone() for k, v in extra["torn"].items()}
+    state.torn_reason = extra["torn_reason"]
+    state.writes_since_prepared = False
+    if state.status is PrepStatus.PREPARED:
+        layer.quant_method.experts._bind_prepared(layer)
+        state.record_prepared(layer)
+
+
+def _global_scale_mode(layer: torch.nn.Module) -> str | None:
+    experts = layer.quant_method.experts
+    return getattr(experts, "effective_global_scale_mode", None)
+
+
+def state_dict_problem(layer: torch.nn.Module, state_dict, prefix: str) -> str | None:
+    """Why ``state_dict`` cannot be loaded into ``layer`` (nothing is written
+    then), or None: no layout saved, a prepared state dict into a layer
+    that is not prepared (or prepared for another backend or mode), a
+    tensor missing or of another shape or dtype."""
+    state = get_prep_state(layer)
+    extra = state_dict.get(prefix + "_extra_state")
+    if not isinstance(extra, dict) or extra.get("format") != _EXTRA_STATE_FORMAT:
+        return (
+            "the state dict carries no preparation layout (_extra_state): "
+            "whether its bytes are prepared cannot be told, so it is refused"
+        )
+    status = extra.get("status")
+    if status not in ("loading", "prepared"):
+        return f"unknown layout status {status!r}"
+    if status == "prepared":
+        mine = {"moe_backend": layer.moe_backend,
+                "global_scale_mode": _global_scale_mode(layer)}  # fmt: skip
+        for key, value in mine.items():
+            if extra[key] != value:
+                return f"prepared with {key} {extra[key]!r}, this layer has {value!r}"
+        if state.status is not PrepStatus.PREPARED:
+            return (
+                "a prepared state dict loads only into a prepared layer (its "
+                "bytes are in the kernel layout): call process_weights_after_"
+                "loading on this layer first, or save the state dict before "
+                "preparing"
+            )
+    specs = nvfp4_moe_param_specs(layer.moe_config) if status == "loading" else {}
+    for name, param in layer.named_parameters(recurse=False):
+        t = state_dict.get(prefix + name)
+        if t is None:
+            return f"{prefix + name} is missing"
+        shape, dtype = specs.get(name, (tuple(param.shape), param.dtype))
+        if (tuple(t.shape), t.dtype) != (tuple(shape), dtype):
+            return (
+                f"{prefix + name} is {t.dtype} {tuple(t.shape)}, expected "
+                f"{dtype} {tuple(shape)}"
+            )
+    return None

@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
+    nvfp4_moe_param_specs,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     blockscale_storage_for_swizzle,
@@ -146,25 +147,15 @@ class ModelOptNvFp4FusedMoE:
                 f"intermediate_size_per_partition) = {given}, but the layer's "
                 f"FusedMoEConfig has {expected}"
             )
-        e, h = num_experts, hidden_size
-        i, rows = intermediate_size_per_partition, moe.w13_rows
-        shards = 2 if moe.is_act_and_mul else 1
-        for dim, what in ((h, "hidden_size"), (i, "intermediate_size per partition")):
+        for dim, what in ((hidden_size, "hidden_size"),
+                          (intermediate_size_per_partition,
+                           "intermediate_size per partition")):  # fmt: skip
             if dim % NVFP4_BLOCK_SIZE != 0:
                 raise ValueError(
                     f"NVFP4 MoE needs {what} to be a multiple of "
                     f"{NVFP4_BLOCK_SIZE}, got {dim}"
                 )
-        specs = {
-            "w13_weight": ((e, rows, h // 2), torch.uint8),
-            "w13_weight_scale": ((e, rows, h // 16), torch.float8_e4m3fn),
-            "w13_weight_scale_2": ((e, shards), torch.float32),
-            "w13_input_scale": ((e, shards), torch.float32),
-            "w2_weight": ((e, h, i // 2), torch.uint8),
-            "w2_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
-            "w2_weight_scale_2": ((e,), torch.float32),
-            "w2_input_scale": ((e,), torch.float32),
-        }
+        specs = nvfp4_moe_param_specs(moe)
         state = get_prep_state(layer)
         for name, (shape, dtype) in specs.items():
             if (
@@ -190,9 +181,12 @@ class ModelOptNvFp4FusedMoE:
         """Prepare the loaded parameters for the selected experts.
 
         A no-op on a prepared layer; resumes an interrupted preparation (see
-        :mod:`~vllm.model_executor.layers.fused_moe.weight_prep_state`)."""
-        for _, step in self.preparation_steps(layer):
-            step()
+        :mod:`~vllm.model_executor.layers.fused_moe.weight_prep_state`).
+        Holds the layer's lock: a concurrent preparation, restore, load or
+        forward of the same layer waits."""
+        with get_prep_state(layer).lock:
+            for _, step in self.preparation_steps(layer):
+                step()
 
     def preparation_steps(
         self, layer: torch.nn.Module
@@ -201,8 +195,11 @@ class ModelOptNvFp4FusedMoE:
         the experts' own steps, then building the kernel."""
 
         def build_kernel() -> None:
-            if self.kernel is None:
-                self.kernel = FusedMoEKernel(MoEPrepareAndFinalizeNoEP(), self.experts)
+            with get_prep_state(layer).lock:
+                if self.kernel is None:
+                    self.kernel = FusedMoEKernel(
+                        MoEPrepareAndFinalizeNoEP(), self.experts
+                    )
 
         return [*self.experts.preparation_steps(layer), ("kernel", build_kernel)]
 
@@ -218,6 +215,14 @@ class ModelOptNvFp4FusedMoE:
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         state = get_prep_state(layer)
+        with state.lock:  # a reload or preparation of this layer waits
+            self._check_ready(layer, state)
+            return self.kernel(
+                hidden_states, layer.w13_weight, layer.w2_weight, topk_weights,
+                topk_ids,
+            )  # fmt: skip
+
+    def _check_ready(self, layer: torch.nn.Module, state) -> None:
         if self.kernel is None or state.status is not PrepStatus.PREPARED:
             if state.status is PrepStatus.PREPARING:
                 why = (
@@ -227,6 +232,8 @@ class ModelOptNvFp4FusedMoE:
                 )
             elif state.status is PrepStatus.RESTORING:
                 why = "it was being returned to the load layout for a reload"
+            elif state.torn:
+                why = f"it is torn ({state.torn_reason}): reload it completely"
             else:
                 why = "its weights are in the load layout"
             raise RuntimeError(
@@ -234,6 +241,3 @@ class ModelOptNvFp4FusedMoE:
                 f"process_weights_after_loading(layer) prepared its weights: {why}"
             )
         state.check_unchanged(layer)
-        return self.kernel(
-            hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids
-        )

@@ -52,6 +52,7 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
+    check_load_layout,
     get_prep_state,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
@@ -334,23 +335,29 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
         LOADING: a ValueError leaves it loadable and untouched."""
 
         def step() -> None:
-            if state.status is PrepStatus.PREPARED:
-                state.check_unchanged(layer)
-                return
-            if state.status is PrepStatus.RESTORING:
-                self.restore_load_layout(layer)
-            if state.status is PrepStatus.LOADING:
-                name, validate = steps[0]
-                validate()
-                state.begin(PrepStatus.PREPARING)
-                state.done.append(name)
-            for name, fn in steps:
-                if name not in state.done:
-                    fn()
+            with state.lock:
+                if state.status is PrepStatus.PREPARED:
+                    state.check_unchanged(layer)
+                    return
+                if state.status is PrepStatus.RESTORING:
+                    self.restore_load_layout(layer)
+                if state.status is PrepStatus.LOADING:
+                    state.check_not_torn()
+                    check_load_layout(layer, self.moe_config)
+                    name, validate = steps[0]
+                    validate()
+                    state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+                    state.begin(PrepStatus.PREPARING)
                     state.done.append(name)
-            if steps[-1][0] == "finalize":
-                state.status = PrepStatus.PREPARED
-                state.record_versions(layer)
+                for name, fn in steps:
+                    if name not in state.done:
+                        fn()
+                        state.done.append(name)
+                if steps[-1][0] == "finalize":
+                    state.status = PrepStatus.PREPARED
+                    state.plans = {}
+                    state.writes_since_prepared = False
+                    state.record_prepared(layer)
 
         return step
 
@@ -361,6 +368,10 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
         again), exactly the loaded bytes except block scales the packing
         flushed, which come back 0 (the kernel read them as 0). Resumable."""
         state = get_prep_state(layer)
+        with state.lock:
+            self._restore(layer, state)
+
+    def _restore(self, layer: torch.nn.Module, state) -> None:
         if state.status is PrepStatus.LOADING:
             return
         if state.status is PrepStatus.PREPARING:

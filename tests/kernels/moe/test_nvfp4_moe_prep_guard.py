@@ -1,0 +1,492 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The prepared layer against the idioms loaders use (``param.data``, state
+dicts, copies), failed and partial reloads, threads and bad forward inputs:
+never a silently wrong layer, never a stuck one."""
+
+import copy
+import io
+import threading
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tests.kernels.moe.test_nvfp4_moe_prep_state import (
+    CAP,
+    SHAPE_IDS,
+    SHAPES,
+    Interrupt,
+    RaiseAtCall,
+    _assert_same,
+    _io,
+    _layer,
+    _load_through_loader,
+    _prepare,
+    _snapshot,
+    _tensors,
+)
+from tests.kernels.moe.utils import (
+    bf16_experts,
+    load_nvfp4_experts,
+    make_nvfp4_layer,
+    quantize_experts_modelopt,
+)
+from vllm.benchmarks.legacy_moe_prep import split_cat_halves
+from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
+from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
+)
+
+UNPADDED = SHAPES[2]  # E4_H256_I128: swizzled scales have the linear shapes
+MODES = ["alpha", "fold"]
+
+
+def _fresh(shape, tensors, **kwargs):
+    return _prepare(_layer(shape, tensors, **kwargs))
+
+
+def _mixed(old, new, experts, keys=None):
+    """``old`` with ``new``'s tensors of ``experts`` (only ``keys``)."""
+    out = {k: v.clone() for k, v in old.items()}
+    for k in keys or out:
+        for e in experts:
+            out[k][e] = new[k][e]
+    return out
+
+
+# --- item 2: the guard against the loaders' idioms ---------------------------
+
+
+def test_data_copy_into_a_prepared_layer_is_refused_in_verify_mode(monkeypatch):
+    # param.data.copy_ does not move the version counter: only the checksum
+    # (VLLM_MOE_PREP_VERIFY=1) sees it.
+    monkeypatch.setenv("VLLM_MOE_PREP_VERIFY", "1")
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    new = _tensors(*shape, seed=2)
+    version = layer.w13_weight._version
+    layer.w13_weight.data.copy_(new["w13_weight"])  # checkpoint layout
+    assert layer.w13_weight._version == version  # invisible to the counter
+    with pytest.raises(RuntimeError, match=r"w13_weight modified in place.*bytes"):
+        layer(*_io(shape))
+    with pytest.raises(RuntimeError, match="modified in place"):
+        _prepare(layer)
+    # The way out: a reload through the loader (the layer is torn until all
+    # of it is written again), then a preparation.
+    _load_through_loader(layer, new)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+@pytest.mark.parametrize("name", ["w2_weight", "w13_weight_scale"])
+def test_data_assignment_on_a_prepared_layer_is_refused(name):
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    param = getattr(layer, name)
+    param.data = param.data.clone()  # same bytes, new storage: views are stale
+    with pytest.raises(RuntimeError, match=rf"{name} replaced"):
+        layer(*_io(shape))
+    with pytest.raises(RuntimeError, match=rf"{name} replaced"):
+        _prepare(layer)
+
+
+def test_prepared_state_dict_loads_only_into_a_prepared_layer():
+    shape = UNPADDED  # shapes equal: only the layout can tell them apart
+    tensors = _tensors(*shape, seed=1)
+    prepared = _fresh(shape, tensors)
+    sd = prepared.state_dict()
+    assert sd["_extra_state"]["status"] == "prepared"
+    fresh = _layer(shape, _tensors(*shape, seed=2))
+    before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+    with pytest.raises(RuntimeError, match="prepared state dict loads only into a "
+                       "prepared layer"):  # fmt: skip
+        fresh.load_state_dict(sd)
+    for n, p in fresh.named_parameters():  # nothing written
+        assert torch.equal(p.view(torch.uint8) if p.dtype.itemsize == 1 else p,
+                           before[n].view(torch.uint8) if p.dtype.itemsize == 1
+                           else before[n]), n  # fmt: skip
+    # Into a prepared layer: the same bytes, views and forward.
+    _prepare(fresh)
+    fresh.load_state_dict(sd)
+    _assert_same(_snapshot(fresh), _snapshot(prepared))
+    x, logits = _io(shape)
+    assert torch.equal(fresh(x, logits), prepared(x, logits))
+    # Without the layout, a state dict is refused whatever the layer.
+    del sd["_extra_state"]
+    with pytest.raises(RuntimeError, match="no preparation layout"):
+        fresh.load_state_dict(sd, strict=False)
+
+
+def test_loading_state_dict_into_a_prepared_layer_reloads_it():
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    source = _layer(shape, new)  # checkpoint layout, not prepared
+    layer = _fresh(shape, old)
+    layer.load_state_dict(source.state_dict())
+    assert layer.weight_prep_state.status is PrepStatus.LOADING
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+def test_restore_then_checkpoint_layout_copy_is_reordered():
+    # place_w3w1_at_load=False: the caller copies [w1; w3] itself. After a
+    # restore the layer is [w1; w3] again, so the copy lands where it
+    # should and the preparation reorders it.
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old)
+    layer.quant_method.restore_load_layout(layer)
+    load_nvfp4_experts(layer, new)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_faithful_copies_of_a_prepared_layer_work(how):
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old)
+    if how == "deepcopy":
+        twin = copy.deepcopy(layer)
+    else:
+        buf = io.BytesIO()
+        torch.save(layer, buf)
+        twin = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    x, logits = _io(shape)
+    assert torch.equal(twin(x, logits), layer(x, logits))
+    _assert_same(_snapshot(twin), _snapshot(layer))
+    # The copy is its own layer: a reload of it leaves the original alone.
+    _load_through_loader(twin, new)
+    _assert_same(_snapshot(_prepare(twin)), _snapshot(_fresh(shape, new)))
+    _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old)))
+
+
+# --- item 3: partial reload with differing w1/w3 global scales ----------------
+
+
+def _tensors_differing(shape, seed):
+    e, h, i, gated = shape
+    w1, w2 = bf16_experts(e, i, h, gated=gated, seed=seed)
+    w1[:, :i] *= 1.37  # gate larger than up: their global scales differ
+    return quantize_experts_modelopt(w1, w2, gated=gated, shared_w13_scale=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_partial_reload_with_differing_gate_up_scales_is_exact(mode):
+    shape = SHAPES[0]
+    old, new = _tensors_differing(shape, 1), _tensors_differing(shape, 2)
+    s2 = old["w13_weight_scale_2"]
+    assert not torch.equal(s2[:, 0], s2[:, 1])
+    layer = _fresh(shape, old, global_scale_mode=mode)
+    # Only expert 1's w13 weight and block scales (its global scales stay).
+    i = shape[2]
+    params = dict(layer.named_parameters())
+    for shard, rows in (("w1", slice(0, i)), ("w3", slice(i, 2 * i))):
+        for name in ("w13_weight", "w13_weight_scale"):
+            layer.weight_loader(params[name], new[name][1, rows], name, shard, 1)
+    want = _fresh(shape, _mixed(old, new, [1], ["w13_weight", "w13_weight_scale"]),
+                  global_scale_mode=mode)  # fmt: skip
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(want))
+
+
+# --- item 4: threads ----------------------------------------------------------
+
+
+class PauseAtCall(TorchFunctionMode):
+    """At the ``k``-th torch call of this thread: say so, wait for ``go``."""
+
+    def __init__(self, k, started, go):
+        super().__init__()
+        self.k, self.calls, self.started, self.go = k, 0, started, go
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.k:
+            self.started.set()
+            self.go.wait(30)
+        return func(*args, **(kwargs or {}))
+
+
+def _run_paused(first, second, k=40):
+    """Run ``first`` in a thread paused at its k-th torch call; meanwhile run
+    ``second`` in another thread. Returns (second finished while first was
+    paused, errors, second's result)."""
+    started, go = threading.Event(), threading.Event()
+    errors, result = [], []
+
+    def a():
+        try:
+            with PauseAtCall(k, started, go):
+                first()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(("first", e))
+
+    def b():
+        try:
+            result.append(second())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(("second", e))
+
+    ta = threading.Thread(target=a)
+    ta.start()
+    assert started.wait(30)
+    tb = threading.Thread(target=b)
+    tb.start()
+    tb.join(1.0)
+    early = not tb.is_alive()
+    go.set()
+    ta.join(60)
+    tb.join(60)
+    return early, errors, result
+
+
+def test_a_second_preparation_waits_for_the_first():
+    shape = SHAPES[0]
+    tensors = _tensors(*shape, seed=3)
+    want = _snapshot(_fresh(shape, tensors))
+    layer = _layer(shape, tensors)
+    early, errors, _ = _run_paused(lambda: _prepare(layer), lambda: _prepare(layer))
+    assert not early  # it waited for the layer's lock
+    assert errors == []
+    _assert_same(_snapshot(layer), want)
+
+
+def test_forward_during_a_reload_waits_then_refuses():
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    new = _tensors(*shape, seed=2)
+    params = dict(layer.named_parameters())
+    x, logits = _io(shape)
+
+    def reload_one():  # restores the layout (many torch calls), then writes
+        layer.weight_loader(params["w2_weight"], new["w2_weight"][0], "w", "w2", 0)
+
+    early, errors, result = _run_paused(reload_one, lambda: layer(x, logits))
+    assert not early
+    assert [(who, type(e)) for who, e in errors] == [("second", RuntimeError)]
+    assert "load layout" in str(errors[0][1])
+
+
+@pytest.mark.parametrize("trial", range(12))
+def test_threads_preparing_reloading_and_running_never_give_a_wrong_layer(trial):
+    # Real threads, no pauses: 3 threads prepare, 1 reloads, 2 run forward.
+    # Every forward sees the old or the new layer, never a mix.
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    x, logits = _io(shape)
+    out_old = _fresh(shape, old)(x, logits)
+    want_new = _fresh(shape, new)
+    out_new = want_new(x, logits)
+    layer = _layer(shape, old)
+    barrier = threading.Barrier(6)
+    errors, outs = [], []
+
+    def run(fn):
+        barrier.wait()
+        try:
+            fn()
+        except RuntimeError as e:  # forward refused while not prepared: fine
+            if "process_weights_after_loading" not in str(e):
+                errors.append(e)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def forward():
+        for _ in range(3):
+            outs.append(layer(x, logits))
+
+    def reload():  # a whole reload under the layer's lock, as a loader does
+        with layer.loading_weights():
+            _load_through_loader(layer, new)
+
+    jobs = [lambda: _prepare(layer)] * 3 + [reload] + [forward] * 2
+    threads = [threading.Thread(target=run, args=(j,)) for j in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == []
+    for out in outs:
+        assert torch.equal(out, out_old) or torch.equal(out, out_new)
+    _prepare(layer)  # always preparable afterwards, to the new weights
+    _assert_same(_snapshot(layer), _snapshot(want_new))
+
+
+# --- item 6: forward inputs ---------------------------------------------------
+
+
+def test_forward_checks_its_inputs():
+    shape = SHAPES[0]
+    e, h = shape[0], shape[1]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    x, logits = _io(shape)
+    t = x.shape[0]
+    for bad in (logits[:, : e - 1], torch.randn(t, e + 1), logits[:-1]):
+        with pytest.raises(ValueError, match=r"router_logits must be \[T, 3\]"):
+            layer(x, bad)
+    with pytest.raises(ValueError, match=rf"hidden_states must be \[T, {h}\]"):
+        layer(torch.randn(t, h + 16).bfloat16(), logits)
+    with pytest.raises(TypeError, match="hidden_states must be floating"):
+        layer(torch.ones(t, h, dtype=torch.int32), logits)
+    with pytest.raises(TypeError, match="router_logits must be floating"):
+        layer(x, torch.ones(t, e, dtype=torch.int64))
+    layer(x, logits)  # the right shapes still run
+
+
+# --- item 7: a failed reload tears the layer ------------------------------------
+
+
+def test_failed_reload_is_all_or_nothing():
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    bad = {k: v.clone() for k, v in new.items()}
+    bad["w2_weight_scale_2"][2] = float("nan")  # the last expert's, loaded last
+    layer = _fresh(shape, old)
+    with pytest.raises(ValueError, match="w2_weight_scale_2 of expert 2 is nan"):
+        _load_through_loader(layer, bad)
+    with pytest.raises(RuntimeError, match=r"torn \(a reload failed at w2_weight_"):
+        _prepare(layer)  # experts 0, 1 new, expert 2 half old: refused
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        layer(*_io(shape))
+    _load_through_loader(layer, new, experts=[0, 1])  # still incomplete
+    with pytest.raises(RuntimeError, match=r"torn.*local experts \[2\]"):
+        _prepare(layer)
+    _load_through_loader(layer, new)  # complete
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+def test_failure_before_any_write_keeps_the_prepared_layer():
+    shape = SHAPES[0]
+    old = _tensors(*shape, seed=1)
+    layer = _fresh(shape, old)
+    with pytest.raises(ValueError, match="finite and positive"):
+        layer.weight_loader(layer.w2_weight_scale_2, torch.tensor(float("nan")),
+                            "w2.weight_scale_2", "w2", 0)  # fmt: skip
+    assert layer.weight_prep_state.status is PrepStatus.PREPARED
+    _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old)))
+
+
+# --- item 8: a reload from any state ------------------------------------------
+
+
+def test_reload_after_a_failed_preparation():
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _layer(shape, old, global_scale_mode="fold")
+    layer.quant_method.experts.max_transient_bytes = 2048  # the fold refuses it
+    with pytest.raises(ValueError, match="max_transient_bytes"):
+        _prepare(layer)
+    # A partial reload: no re-run of the failing preparation, and the
+    # experts not reloaded keep their bytes (the layer is not torn).
+    _load_through_loader(layer, new, experts=[1])
+    layer.quant_method.experts.max_transient_bytes = CAP
+    want = _fresh(shape, _mixed(old, new, [1]), global_scale_mode="fold")
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(want))
+
+
+def test_reload_after_converting_a_prepared_layer():
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old)
+    layer.to(torch.bfloat16)  # FP8 and float32 scales become BF16
+    with pytest.raises(RuntimeError, match="replaced"):
+        layer(*_io(shape))
+    _load_through_loader(layer, new, experts=[0])
+    assert layer.weight_prep_state.status is PrepStatus.LOADING
+    with pytest.raises(RuntimeError, match=r"torn.*local experts \[1, 2\]"):
+        _prepare(layer)  # the bytes of experts 1, 2 are gone
+    _load_through_loader(layer, new)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+# --- tests the mutants showed missing -------------------------------------------
+
+
+def test_interrupted_restore_then_preparation_gives_the_same_layer():
+    shape = SHAPES[0]
+    tensors = _tensors(*shape, seed=3)
+    want = _snapshot(_fresh(shape, tensors))
+    layer = _fresh(shape, tensors)
+    with RaiseAtCall() as counter:
+        layer.quant_method.restore_load_layout(layer)
+    for k in range(1, counter.calls + 1, 2):
+        layer = _fresh(shape, tensors)
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            layer.quant_method.restore_load_layout(layer)
+        _assert_same(_snapshot(_prepare(layer)), want)
+
+
+def test_interrupted_preparation_then_partial_reload():
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=3), _tensors(*shape, seed=4)
+    want = _snapshot(_fresh(shape, _mixed(old, new, [1])))
+    layer = _layer(shape, old)
+    with RaiseAtCall() as counter:
+        _prepare(layer)
+    for k in range(1, counter.calls + 1, 5):
+        layer = _layer(shape, old)
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            _prepare(layer)
+        _load_through_loader(layer, new, experts=[1])
+        _assert_same(_snapshot(_prepare(layer)), want)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_partial_reload_at_every_shape(shape):
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    last = shape[0] - 1
+    layer = _fresh(shape, old)
+    _load_through_loader(layer, new, experts=[last])
+    _assert_same(_snapshot(_prepare(layer)),
+                 _snapshot(_fresh(shape, _mixed(old, new, [last]))))  # fmt: skip
+
+
+def test_scale_replaced_without_recorded_room_then_prepared():
+    shape = SHAPES[0]  # padded: the swizzle needs a new tensor
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _layer(shape, old)
+    layer.w2_weight_scale.data = layer.w2_weight_scale.data.clone()  # no room
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, old)))
+    _load_through_loader(layer, new)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+def test_emulation_quantizes_each_experts_input_with_its_a1_gscale():
+    shape = SHAPES[0]
+    e, h, i, gated = shape
+    layer = make_nvfp4_layer(
+        e, 2, h, i, gated, "flashinfer_b12x_emulated", max_transient_bytes=CAP
+    )  # W4A4: inputs quantized
+    load_nvfp4_experts(layer, _tensors(*shape, seed=1))
+    _prepare(layer)
+    x, logits = _io(shape)
+    base = layer(x, logits)
+    qc = layer.quant_method.experts.quant_config
+    # Powers of two scale the FP8 block scales exactly: the same output.
+    qc.a1_gscale = torch.tensor([4.0, 0.5, 2.0])
+    assert torch.equal(layer(x, logits), base)
+    # 3 for expert 2 only: exactly the tokens routed to expert 2 change.
+    qc.a1_gscale = torch.tensor([1.0, 1.0, 3.0])
+    out = layer(x, logits)
+    _, ids = fused_topk(x, logits, 2, True)
+    routed = (ids == 2).any(dim=1)
+    assert 0 < int(routed.sum()) < x.shape[0]
+    assert torch.equal(out[~routed], base[~routed])
+    assert not torch.equal(out[routed], base[routed])
+
+
+def test_reorder_takes_weight_and_scale_adjacent_in_one_buffer():
+    # The overlap check's boundary: the scale starting at the weight's last
+    # byte + 1 is accepted (and only their own bytes move); one byte
+    # earlier is refused.
+    gen = torch.Generator().manual_seed(12)
+    n_w, n_s = 2 * 8 * 16, 2 * 8 * 2
+    buf = torch.randint(0, 256, (n_w + n_s + 4,), dtype=torch.uint8, generator=gen)
+    orig = buf.clone()
+    w, s = buf[:n_w].view(2, 8, 16), buf[n_w : n_w + n_s].view(2, 8, 2)
+    reorder_w1w3_to_w3w1(w, s, max_transient_bytes=256)
+    assert torch.equal(w, split_cat_halves(orig[:n_w].view(2, 8, 16), -2))
+    assert torch.equal(s, split_cat_halves(orig[n_w : n_w + n_s].view(2, 8, 2), -2))
+    assert torch.equal(buf[n_w + n_s :], orig[n_w + n_s :])
+    overlapping = buf[n_w - 1 : n_w - 1 + n_s].view(2, 8, 2)
+    with pytest.raises(ValueError, match="must not share memory"):
+        reorder_w1w3_to_w3w1(w, overlapping, max_transient_bytes=256)
