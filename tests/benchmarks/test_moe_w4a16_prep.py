@@ -163,7 +163,9 @@ def test_w4a16_checkpoint_auto(tmp_path, capsys, fmt):
     assert "W4A16 (weight-only NVFP4) preparation for b12x" in text
     assert f"({fmt}), checkpoint weights" in text
     assert "every variant gives the same bytes (checked per layer)" in text
-    result = json.loads(out_json.read_text())
+    job = json.loads(out_json.read_text())
+    assert job["world_size"] == 1 and len(job["ranks"]) == 1
+    result = job["ranks"][0]
     assert result["quant"] == "w4a16" and result["num_layers"] == 2
     assert result["memory_limit_ok"] is True
     # The writer gives gate and up their own global scales: FC2's alpha
@@ -185,7 +187,8 @@ def test_mixed_checkpoint_takes_the_mode_asked_for(tmp_path, capsys):
     for quant, layers in (("w4a16", 2), ("w4a4", 1)):
         main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--quant",
               quant, "--no-progress", "--json", str(out_json)])  # fmt: skip
-        assert json.loads(out_json.read_text())["num_layers"] == layers
+        job = json.loads(out_json.read_text())
+        assert job["ranks"][0]["num_layers"] == layers
 
 
 W4A16_ERRORS = {

@@ -20,6 +20,7 @@ from vllm.benchmarks.moe_checkpoint_source import (
 from vllm.benchmarks.moe_model_presets import get_preset
 from vllm.benchmarks.moe_w4a16_prep import W4A16_VARIANTS, run_w4a16_benchmark
 from vllm.benchmarks.moe_weight_prep_ranks import RankShard
+from vllm.benchmarks.output_files import write_atomically
 
 __all__ = [
     "QUANT_CHOICES",
@@ -107,8 +108,15 @@ def run_w4a16_command(args: argparse.Namespace, device: torch.device) -> int:
     result["memory_limit_ok"] = None if limit is None else bounded <= limit
     print(format_w4a16_report(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        # The main job's one JSON layout, whatever --quant and --tp.
+        job = {"world_size": 1, "expert_parallel": False, "quant": "w4a16",
+               "busy_cores": args.busy_cores, "ranks": [result]}  # fmt: skip
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump(job, f, indent=2)
+
+        write_atomically(args.json, write)
         print(f"wrote {args.json}")
     if result["memory_limit_ok"] is False:
         print(
