@@ -28,19 +28,19 @@ part() {  # part NAME LOG COMMAND...: run, keep its output, record its status
   echo "$name rc=$rc" | tee -a "$out/status.txt"
   tail -n 12 "$out/$log"
 }
-part device device.txt python -c "import torch; assert torch.cuda.is_available(), \
+part device device.txt python3 -c "import torch; assert torch.cuda.is_available(), \
 'no CUDA device'; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 
-part pytest_cuda pytest_cuda.txt timeout 150 python -m pytest tests -q -k cuda -p no:cacheprovider
+part pytest_cuda pytest_cuda.txt timeout 150 python3 -m pytest tests -q -k cuda -p no:cacheprovider
 
-part reorder_cuda reorder_cuda.txt timeout 60 python benchmarks/kernels/benchmark_reorder_w1w3.py \
+part reorder_cuda reorder_cuda.txt timeout 60 python3 benchmarks/kernels/benchmark_reorder_w1w3.py \
   --devices cuda --models qwen3.6-35b-a3b deepseek-v3 --json "$out/reorder_cuda.json"
 
-part prep_cuda prep_cuda.txt timeout 60 python -m vllm.entrypoints.cli.main bench moe-weight-prep \
+part prep_cuda prep_cuda.txt timeout 60 python3 -m vllm.entrypoints.cli.main bench moe-weight-prep \
   --model qwen3.6-35b-a3b --device cuda --num-layers 4 --memory-limit 128MiB --no-progress \
   --json "$out/prep_cuda.json" --plot "$out/prep_cuda.png"
 
-part steps_cpu steps_cpu.txt timeout 90 python benchmarks/kernels/benchmark_moe_weight_prep_steps.py \
+part steps_cpu steps_cpu.txt timeout 90 python3 benchmarks/kernels/benchmark_moe_weight_prep_steps.py \
   --busy-cores 1 --repeats 3 --json "$out/steps_cpu.json"
 
 ! grep -qv "rc=0" "$out/status.txt"

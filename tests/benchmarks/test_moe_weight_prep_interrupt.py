@@ -58,7 +58,10 @@ def test_ctrl_c_during_the_run_is_one_line_and_status_130(case, tmp_path):
             assert time.monotonic() < deadline, "the run did not start"
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        # Not communicate(): the reader thread alone reads stderr (two
+        # readers would split its bytes between them).
+        proc.wait(timeout=60)
+        out = proc.stdout.read()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.kernels.utils import DEVICES
-from vllm.utils.mem_utils import measure_peak_memory
+from vllm.utils.mem_utils import CUDA_ALLOCATION_ROUNDING, measure_peak_memory
 
 MIB = 1 << 20
 
@@ -128,3 +128,28 @@ def test_frees_are_matched_to_the_blocks_own_allocations():
         (4, 4 * MIB),
         (5, 0),
     ]
+
+
+def test_cpu_meter_simulates_the_cuda_allocators_rounding():
+    # Each block counts rounded up to 512 B, as torch.cuda.memory_allocated
+    # counts it: 100 B -> 512, 1000 B -> 1024, 512 B -> 512; two live
+    # 100-byte blocks -> 1024.
+    for nbytes, want in ((100, 512), (1000, 1024), (512, 512), (1 << 20, 1 << 20)):
+        with measure_peak_memory("cpu", round_to=CUDA_ALLOCATION_ROUNDING) as mem:
+            torch.empty(nbytes, dtype=torch.uint8)
+        assert mem.peak_bytes == want, (nbytes, mem.peak_bytes)
+    with measure_peak_memory("cpu", round_to=512) as mem:
+        a = torch.empty(100, dtype=torch.uint8)
+        b = torch.empty(100, dtype=torch.uint8)
+        del a, b
+    assert mem.peak_bytes == 1024
+    # Control: without rounding the same blocks read their own sizes.
+    with measure_peak_memory("cpu") as mem:
+        torch.empty(100, dtype=torch.uint8)
+    assert mem.peak_bytes == 100
+    for bad in (0, -512, 1.5, True):
+        with (
+            pytest.raises(ValueError, match="round_to"),
+            measure_peak_memory("cpu", round_to=bad),
+        ):
+            pass

@@ -8,15 +8,19 @@ processes, each a torch process on one intra-op thread (``threads`` to
 change it) that copies 32 MiB buffers in 1 MiB chunks forever (memory
 traffic and a busy core, like another worker preparing its shard), waits
 until every one is running, and stops them all when the block exits (also
-on an exception or Ctrl-C).
+on an exception or Ctrl-C). If this process dies without running that exit
+(SIGTERM's default action, SIGKILL), the busy processes die with it, at
+once (:func:`vllm.utils.process_lifetime.die_with_parent`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 from collections.abc import Iterator
 
+from vllm.utils.process_lifetime import die_with_parent
 from vllm.utils.signal_utils import children_ignore_sigint
 
 __all__ = ["busy_cores"]
@@ -24,7 +28,9 @@ __all__ = ["busy_cores"]
 _START_TIMEOUT_S = 120.0
 
 
-def _copy_forever(ready, threads: int) -> None:  # runs in the child process
+def _copy_forever(ready, threads: int, parent_pid: int, lifeline) -> None:
+    # Runs in the child process.
+    die_with_parent(parent_pid, lifeline)
     import torch
 
     torch.set_num_threads(threads)
@@ -45,8 +51,10 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
     code that does too).
 
     ``n == 0`` starts nothing. Processes are spawned (not forked: the parent
-    may already run OpenMP threads) as daemons, so they cannot outlive this
-    process even if the block is killed.
+    may already run OpenMP threads); they end with the block, or within
+    milliseconds of this process's death by any signal (enter the block in
+    a thread that outlives it: Linux's parent-death signal follows the
+    thread that started them).
     """
     if n < 0:
         raise ValueError(f"busy cores must be >= 0, got {n}")
@@ -55,14 +63,19 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
         return
     ctx = mp.get_context("spawn")
     procs = []
+    # The busy processes hold the read end; this process holds the write
+    # end until the block ends, or dies (then they read end of file).
+    lifeline, keep_alive = ctx.Pipe(duplex=False)
     try:
         for _ in range(n):
             ready = ctx.Event()
-            proc = ctx.Process(target=_copy_forever, args=(ready, threads),
+            proc = ctx.Process(target=_copy_forever,
+                               args=(ready, threads, os.getpid(), lifeline),
                                daemon=True)  # fmt: skip
             with children_ignore_sigint():  # Ctrl-C is the parent's
                 proc.start()
             procs.append((proc, ready))
+        lifeline.close()
         for _, ready in procs:
             if not ready.wait(_START_TIMEOUT_S):
                 raise RuntimeError(
@@ -74,3 +87,5 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
             proc.terminate()
         for proc, _ in procs:
             proc.join(10)
+        lifeline.close()
+        keep_alive.close()

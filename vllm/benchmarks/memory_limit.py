@@ -1,19 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""A cap on the memory a CUDA process may allocate above what it holds."""
+"""A cap on the device memory a CUDA process may take above what it holds."""
 
 from __future__ import annotations
 
 import torch
 
 __all__ = [
+    "cuda_memory_fraction",
     "limit_cuda_memory",
 ]
 
 
+def cuda_memory_fraction(limit: int, reserved: int, total: int) -> float:
+    """The ``set_per_process_memory_fraction`` that lets a process holding
+    ``reserved`` bytes of a ``total``-byte device take ``limit`` more.
+
+    The caching allocator enforces the fraction on its RESERVED bytes (the
+    segments it holds from the device: blocks rounded to 512 B, carved from
+    2 MiB segments for small blocks and 20 MiB or 2 MiB-rounded ones for
+    large), not on the allocated bytes the meter reports. So the start is
+    the reserved figure: the limit is then what the process may newly take
+    from the device, which is what "free memory above the resident weights"
+    means; a limit from the allocated bytes would sit below what the
+    process already holds by the cached, unused part of its segments."""
+    return min(1.0, (reserved + limit) / total)
+
+
 class limit_cuda_memory:
-    """On CUDA, cap this process's allocations at the resident memory plus
-    ``limit`` bytes (``torch.cuda.set_per_process_memory_fraction``)."""
+    """On CUDA, let this process take at most ``limit`` bytes of device
+    memory above what it holds at entry (after releasing its cached free
+    blocks); the allocator raises ``torch.OutOfMemoryError`` beyond that.
+    A no-op elsewhere or without a limit; the fraction is reset on exit."""
 
     def __init__(self, device: torch.device, limit: int | None):
         self.device, self.limit = device, limit
@@ -23,9 +41,9 @@ class limit_cuda_memory:
             return self
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        allowed = torch.cuda.memory_allocated(self.device) + self.limit
+        reserved = torch.cuda.memory_reserved(self.device)
         torch.cuda.set_per_process_memory_fraction(
-            min(1.0, allowed / total), self.device
+            cuda_memory_fraction(self.limit, reserved, total), self.device
         )
         return self
 

@@ -5,7 +5,7 @@
 Decodes weights twice: from the checkpoint tensors
 (``e2m1 * block_scale * weight_scale_2``, [w1; w3]) and from the prepared
 layer exactly as the b12x kernel reads it (codes, block scales through the
-MMA-layout view, times the per-expert alpha, [w3; w1]), and counts the FP8
+MMA-layout view, times the per-expert alphas, [w3; w1]), and counts the FP8
 block scales that a fold pushed out of E4M3's normal range. Benchmarks only.
 
 What is decoded (``how``, the main job's ``--precision``):
@@ -137,15 +137,32 @@ def _checkpoint_rows(tensors: dict, prefix: str, e: int, rows: torch.Tensor,
     return dequantize_nvfp4(packed, scale, 1.0) * scale_2[group].unsqueeze(1)
 
 
+def _up_gate_ratio(layer, e: int) -> float:
+    """s_up / s_gate of expert ``e`` (1.0 unless gated with differing global
+    scales): the factor the kernel's FC2 alpha carries for FC1's up rows."""
+    if not layer.moe_config.is_act_and_mul:
+        return 1.0
+    from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+        get_prep_state,
+    )
+
+    s2 = layer.w13_weight_scale_2[e].cpu()  # columns as loaded
+    up = 0 if get_prep_state(layer).load_w3w1 else 1
+    return float(s2[up] / s2[1 - up])
+
+
 def _prepared_rows(
     layer, prefix: str, e: int, t0: int, t1: int, c0: int, c1: int
 ) -> torch.Tensor:
     """Rows of 128-row tiles [t0, t1), columns [c0, c1) (c0 a multiple of 64)
-    of expert ``e``'s weight as the kernel reads it (codes, scales through
-    the MMA-layout view, alpha): float32."""
+    of expert ``e``'s weight as the kernel applies it (codes, scales through
+    the MMA-layout view, alpha): float32. The up/gate ratio that FC2's alpha
+    carries is moved back onto FC1's up rows, so that the result compares
+    weight by weight with the checkpoint's."""
     moe = layer.moe_config
     experts = layer.quant_method.experts
     qc = experts.quant_config
+    ratio = _up_gate_ratio(layer, e)
     if prefix == "w13":
         packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, qc.g1_alphas
         m = moe.w13_rows
@@ -159,7 +176,13 @@ def _prepared_rows(
     tiles = mma[:, :, t0:t1, :, c0 // 64 : _ceil_div(c1, 64), e : e + 1].cpu()
     scales = mma_layout_to_linear(tiles, r1 - r0, c1 - c0)[0]
     codes = packed[e, r0:r1, c0 // 2 : c1 // 2].cpu()
-    return dequantize_nvfp4(codes, scales, 1.0) * alpha[e].cpu()
+    w = dequantize_nvfp4(codes, scales, 1.0) * alpha[e].cpu()
+    if prefix == "w2":
+        return w / ratio
+    if moe.is_act_and_mul:
+        up_end = moe.intermediate_size_per_partition  # [w3; w1]: up rows first
+        w[: max(0, min(up_end, r1) - r0)] *= ratio
+    return w
 
 
 def _tile_runs(tiles: list[int], step: int) -> list[tuple[int, int]]:

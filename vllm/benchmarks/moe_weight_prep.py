@@ -312,6 +312,12 @@ def main(args: argparse.Namespace) -> int:
     try:
         with busy_cores(args.busy_cores):
             results = [rank_job(0, params)] if n == 1 else run_ranks(params)
+    except KeyboardInterrupt:
+        if n > 1 and not args.no_progress:
+            # Rank 0's progress bar was stopped mid-line (by its parent, so
+            # it could not close it): the Ctrl-C line starts on its own.
+            sys.stderr.write("\n")
+        raise
     except (ValueError, OSError, RuntimeError) as e:
         if isinstance(e, WorkerError):
             raise

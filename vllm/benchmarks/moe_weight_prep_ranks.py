@@ -11,6 +11,7 @@ import torch
 
 from vllm.benchmarks.moe_model_presets import MoEModelPreset
 from vllm.distributed.launcher import spawn_workers
+from vllm.distributed.parallel_state import backend_for_device
 
 __all__ = [
     "RankShard",
@@ -107,4 +108,7 @@ def rank_job(rank: int, params: dict) -> dict:
 def run_ranks(params: dict) -> list[dict]:
     """Run ``params["world_size"]`` workers (:func:`rank_job`); their results
     in rank order."""
-    return spawn_workers(rank_job, params["world_size"], args=(params,))
+    # The backend follows the device the ranks compute on: gloo for
+    # --device cpu even on a GPU host, NCCL for --device cuda.
+    return spawn_workers(rank_job, params["world_size"], args=(params,),
+                         backend=backend_for_device(params["device"]))  # fmt: skip

@@ -6,12 +6,16 @@
 
 Each worker is a spawned process (not forked: the parent may run OpenMP or
 CUDA already) that joins the distributed environment (a ``file://`` store in
-a temporary directory, gloo on CPU), initializes one tensor-parallel group
-of all ``world_size`` ranks, runs ``fn(rank, *args)`` and sends its result
-back pickled by value. When any worker fails, the others are terminated at
-once (they may be blocked in a collective waiting for it) and
-:class:`WorkerError` carries the failing rank and its error; the job never
-hangs on a dead rank.
+a temporary directory, gloo on CPU), initializes tensor-parallel groups of
+``tp_size`` ranks (default: one group of all ``world_size``), runs
+``fn(rank, *args)`` and sends its result back pickled by value. When any
+worker fails, the others are terminated at once (they may be blocked in a
+collective waiting for it) and :class:`WorkerError` carries the failing rank
+and its error; the job never hangs on a dead rank.
+
+Nothing outlives the parent: if it dies by any signal (SIGTERM, SIGKILL),
+the workers are killed within milliseconds and the temporary directory is
+removed by a reaper (:mod:`vllm.utils.process_lifetime`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from vllm.utils.process_lifetime import die_with_parent, removed_even_if_killed
 from vllm.utils.signal_utils import children_ignore_sigint
 
 __all__ = ["WorkerError", "spawn_workers"]
@@ -42,8 +47,10 @@ class WorkerError(RuntimeError):
         self.rank, self.message, self.details = rank, message, details
 
 
-def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, conn):
+def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args,
+            conn, parent_pid, lifeline):  # fmt: skip
     # Runs in the child process.
+    die_with_parent(parent_pid, lifeline)
     import datetime
 
     from vllm.distributed import parallel_state as ps
@@ -53,7 +60,7 @@ def _worker(fn, rank, world_size, init_method, backend, timeout_s, args, conn):
             world_size=world_size, rank=rank, distributed_init_method=init_method,
             backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
         )  # fmt: skip
-        ps.initialize_model_parallel(world_size)
+        ps.initialize_model_parallel(tp_size)
         value = fn(rank, *args)
         conn.send_bytes(pickle.dumps(("ok", value)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
@@ -71,12 +78,14 @@ def spawn_workers(
     world_size: int,
     args: tuple = (),
     *,
+    tp_size: int | None = None,
     backend: str | None = None,
     timeout_s: float = 600.0,
     deadline_s: float | None = None,
 ) -> list[Any]:
     """``[fn(0, *args), ..., fn(world_size - 1, *args)]``, each run in its own
-    process inside a tensor-parallel group of ``world_size`` ranks.
+    process; ranks [i * tp_size, (i + 1) * tp_size) form tensor-parallel
+    group i (``tp_size`` default: ``world_size``, one group).
 
     ``fn`` must be importable by name (a module-level function) and its
     arguments and result picklable. ``backend``: default gloo without CUDA,
@@ -87,13 +96,27 @@ def spawn_workers(
     """
     import multiprocessing as mp
 
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for name, value in (("world_size", world_size), ("tp_size", tp_size)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    tp_size = world_size if tp_size is None else tp_size
+    if world_size % tp_size:
+        raise ValueError(f"tp_size {tp_size} does not divide world_size {world_size}")
     ctx = mp.get_context("spawn")
     # One pipe per worker (no queue: its locks are semaphores that the
     # resource tracker would report as leaked when a worker is killed).
     pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
-    with tempfile.TemporaryDirectory(prefix="vllm-dist-") as tmp:
+    # The workers' lifeline: they hold the read end, this process the write
+    # end until it returns or dies.
+    lifeline, keep_alive = ctx.Pipe(duplex=False)
+    with contextlib.ExitStack() as stack:
+        stack.callback(keep_alive.close)
+        stack.callback(lifeline.close)
+        tmp = stack.enter_context(
+            removed_even_if_killed(tempfile.mkdtemp(prefix="vllm-dist-"))
+        )
         init_method = "file://" + os.path.join(tmp, "store")
         procs = [
             ctx.Process(
@@ -102,11 +125,14 @@ def spawn_workers(
                     fn,
                     rank,
                     world_size,
+                    tp_size,
                     init_method,
                     backend,
                     timeout_s,
                     args,
                     pipes[rank][1],
+                    os.getpid(),
+                    lifeline,
                 ),
                 daemon=True,
             )  # fmt: skip
@@ -118,6 +144,7 @@ def spawn_workers(
                 proc.start()
         for _, send in pipes:
             send.close()  # the parent only reads
+        lifeline.close()
         ok = False
         try:
             values = _collect(procs, [recv for recv, _ in pipes], deadline_s)

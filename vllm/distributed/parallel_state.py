@@ -12,8 +12,9 @@ needs, with its names, on ``torch.distributed`` process groups::
     tensor_model_parallel_all_reduce(x)   # vllm.distributed.communication_op
     destroy_model_parallel(); destroy_distributed_environment()
 
-Ranks [i * tp, (i + 1) * tp) form tensor-parallel group i. The backend is
-gloo on CPU and NCCL on CUDA unless given.
+Ranks [i * tp, (i + 1) * tp) form tensor-parallel group i. The backend
+follows the device the ranks compute on (``backend_for_device``): NCCL for
+CUDA, gloo otherwise, whatever hardware the host has, unless given.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 __all__ = [
     "GroupCoordinator",
+    "backend_for_device",
     "check_ranks_agree",
     "destroy_distributed_environment",
     "destroy_model_parallel",
@@ -89,8 +91,13 @@ _WORLD: GroupCoordinator | None = None
 _TP: GroupCoordinator | None = None
 
 
-def _default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def backend_for_device(device: torch.device | str | None = None) -> str:
+    """The ``torch.distributed`` backend for ranks computing on ``device``
+    (default: torch's default device): "nccl" for CUDA, "gloo" otherwise. A
+    CPU job on a host that also has GPUs (``--device cpu --tp N``) uses gloo:
+    NCCL would need the CPU tensors on a GPU."""
+    device = torch.device(device if device is not None else torch.get_default_device())
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def init_distributed_environment(
@@ -100,13 +107,15 @@ def init_distributed_environment(
     local_rank: int = -1,
     backend: str | None = None,
     timeout: datetime.timedelta | None = None,
+    device: torch.device | str | None = None,
 ) -> None:
     """Join the default process group (``torch.distributed``) unless this
     process already has; sets the world group.
 
     ``world_size`` and ``rank`` of -1 are read by the init method (e.g. the
     ``WORLD_SIZE`` and ``RANK`` variables of ``env://``). ``backend``:
-    default gloo on CPU machines, NCCL with CUDA. ``local_rank`` (the device
+    default ``backend_for_device(device)``: NCCL when the ranks compute on
+    CUDA, gloo otherwise (also on a GPU host). ``local_rank`` (the device
     index on this node) selects the CUDA device with NCCL; -1 means
     ``rank``. Raises ValueError for a rank outside the world.
     """
@@ -115,7 +124,7 @@ def init_distributed_environment(
         raise ValueError(f"world_size must be >= 1 (or -1), got {world_size}")
     if rank < -1 or (world_size != -1 and not -1 <= rank < world_size):
         raise ValueError(f"rank must be in [0, {world_size}) (or -1), got {rank}")
-    backend = backend or _default_backend()
+    backend = backend or backend_for_device(device)
     if not dist.is_initialized():
         kwargs = {} if timeout is None else {"timeout": timeout}
         dist.init_process_group(backend, init_method=distributed_init_method,

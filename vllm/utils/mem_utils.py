@@ -1,18 +1,30 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Measure the peak memory torch allocates while a block of code runs."""
+"""Measure the peak memory torch allocates while a block of code runs, and
+the memory this process may still allocate."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["PeakMemory", "measure_peak_memory"]
+__all__ = [
+    "CUDA_ALLOCATION_ROUNDING",
+    "PeakMemory",
+    "available_memory_bytes",
+    "measure_peak_memory",
+]
+
+#: The CUDA caching allocator rounds every block up to a multiple of 512
+#: bytes (``kMinBlockSize``); ``torch.cuda.memory_allocated`` counts the
+#: rounded sizes. ``measure_peak_memory(..., round_to=...)`` simulates it.
+CUDA_ALLOCATION_ROUNDING = 512
 
 
 @dataclass
@@ -65,17 +77,19 @@ def _cpu_allocation_events(
 
 
 def _own_allocation_levels(
-    events: list[tuple[int, int, int]],
+    events: list[tuple[int, int, int]], round_to: int = 1
 ) -> list[tuple[int, int]]:
     """(time_ns, bytes live) after each event, counting only blocks allocated
     inside the measured block: torch's CPU size table can keep a stale entry
     for a pointer freed while no profiler ran, so a free of an older tensor
     at a reused address may be reported with some other block's size (seen
-    as a random negative figure). Such frees are ignored."""
+    as a random negative figure). Such frees are ignored. Each allocation
+    counts ``round_to``-rounded (up)."""
     live: dict[int, int] = {}
     level, out = 0, []
     for t_ns, delta, ptr in events:
         if delta > 0:
+            delta = -(-delta // round_to) * round_to
             live[ptr] = live.get(ptr, 0) + delta
             level += delta
         elif delta < 0 and ptr in live:
@@ -104,7 +118,9 @@ def _stderr_fd_silenced() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
+def measure_peak_memory(
+    device: torch.device | str, *, round_to: int = 1
+) -> Iterator[PeakMemory]:
     """Measure the peak bytes allocated above the starting point in a block.
 
     Usage::
@@ -127,10 +143,16 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     such frees out); the two agree when the block frees nothing older than
     itself. Frees are matched to the block's own allocations by pointer, so
     neither a garbage collection during the block nor a stale entry in
-    torch's size table changes the figure. Process RSS is not used: it depends on the C
+    torch's size table changes the figure. ``round_to`` (CPU only) counts
+    every allocation rounded up to a multiple of that many bytes:
+    ``CUDA_ALLOCATION_ROUNDING`` gives the figure the CUDA caching allocator
+    would report for the same allocations (a cap that holds in exact bytes
+    can fail there). Process RSS is not used: it depends on the C
     allocator's caching and page reuse, not on what torch asked for. The
     profiler slows the block down: do not time code while measuring it.
     """
+    if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
+        raise ValueError(f"round_to must be a positive int, got {round_to!r}")
     device = torch.device(device)
     result = PeakMemory(device=device)
     if device.type == "cuda":
@@ -156,6 +178,57 @@ def measure_peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     finally:
         with _stderr_fd_silenced():
             prof.stop()
-    result.timeline = _own_allocation_levels(_cpu_allocation_events(prof))
+    result.timeline = _own_allocation_levels(_cpu_allocation_events(prof), round_to)
     result.peak_bytes = max((lvl for _, lvl in result.timeline), default=0)
     result.net_bytes = result.timeline[-1][1] if result.timeline else 0
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) << 10
+    except OSError:
+        pass
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """Bytes this process can still allocate, as far as the system says: the
+    least of the machine's available memory (``MemAvailable``), the room left
+    under the address-space and data limits (``ulimit -v``/``-d``) and under
+    the cgroup's memory limit (v2 or v1). None when none is known."""
+    candidates = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    candidates.append(int(line.split()[1]) << 10)
+    except OSError:
+        pass
+    for limit, used in (
+        (resource.RLIMIT_AS, "VmSize"),
+        (resource.RLIMIT_DATA, "VmData"),
+    ):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and (now := _status_kib(used)) is not None:
+            candidates.append(max(0, soft - now))
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+         "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):  # fmt: skip
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:
+            candidates.append(max(0, limit - usage))
+    return min(candidates) if candidates else None

@@ -21,6 +21,7 @@ from vllm.benchmarks.legacy_moe_prep import (
     split_cat_halves,
 )
 from vllm.benchmarks.moe_model_presets import get_preset
+from vllm.benchmarks.moe_prep_precision import prepared_weight_precision
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
@@ -80,17 +81,18 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
     on whole tensors (float32 fold, split+cat reorder, padded swizzle).
 
     ``mode="fold"``: every global scale folded into the block scales, then 1.
-    ``mode="alpha"``: block scales as loaded; where an expert's w1 and w3
-    global scales differ, the larger is its alpha and the ratio is folded
-    into the other half."""
+    ``mode="alpha"``: every block scale as loaded (reordered and swizzled
+    only). The [E, 2] global scales stay as loaded.
+    Also the kernel's alphas: ``g1_alphas`` = the gate's (w1's) global
+    scale, ``g2_alphas`` = w2's times s_w3 / s_w1 (1 and 1 after a fold)."""
     s13, s2 = t["w13_weight_scale"].cpu(), t["w2_weight_scale"].cpu()
     g13, g2 = t["w13_weight_scale_2"].cpu(), t["w2_weight_scale_2"].cpu()
     if mode == "fold":
         s13, s2 = fold_reference(s13, g13), fold_reference(s2, g2)
         g13, g2 = torch.ones_like(g13), torch.ones_like(g2)
-    elif (g13 != g13[:, :1]).any():
-        alpha = g13.amax(dim=1, keepdim=True)
-        s13, g13 = fold_reference(s13, g13 / alpha), alpha.expand_as(g13)
+    alpha1, alpha2 = g13[:, 0], g2
+    if gated:
+        alpha2 = g2 * (g13[:, 1] / g13[:, 0])
     w13 = t["w13_weight"].cpu()
     if gated:
         w13, s13 = split_cat_halves(w13, -2), split_cat_halves(s13, -2)
@@ -101,6 +103,8 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
         "w2_weight_scale": swizzle_blockscale(s2),
         "w13_weight_scale_2": g13.contiguous(),
         "w2_weight_scale_2": g2,
+        "g1_alphas": alpha1,
+        "g2_alphas": alpha2,
     }
 
 
@@ -126,6 +130,7 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
     before = {name: p for name, p in layer.named_parameters()}
     storages = {n: p.untyped_storage().data_ptr() for n, p in before.items()}
     layer.quant_method.process_weights_after_loading(layer)
+    alphas = {k: want.pop(k) for k in ("g1_alphas", "g2_alphas")}
     for name, expected in want.items():
         got = getattr(layer, name).detach().cpu()
         assert got.shape == expected.shape, name
@@ -147,12 +152,14 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
     assert qc.w2_scale is layer.w2_weight_scale
     assert experts.w1_sf_mma.data_ptr() == layer.w13_weight_scale.data_ptr()
     assert experts.w2_sf_mma.data_ptr() == layer.w2_weight_scale.data_ptr()
-    # The kernel's alphas: the (chosen) global scales, or 1 after a fold.
-    assert torch.equal(qc.g1_alphas.cpu(), want["w13_weight_scale_2"][:, 0])
-    assert torch.equal(qc.g2_alphas.cpu(), want["w2_weight_scale_2"])
+    # The kernel's alphas: the gate's global scale, and w2's carrying the
+    # up/gate ratio (random scales here: every expert's differ); 1 after a
+    # fold.
+    assert torch.equal(qc.g1_alphas.cpu(), alphas["g1_alphas"])
+    assert torch.equal(qc.g2_alphas.cpu(), alphas["g2_alphas"])
 
 
-def test_separate_w1_w3_global_scales_are_folded_exactly():
+def test_separate_w1_w3_global_scales_are_exact():
     # Up (w3) weights 4x larger than gate (w1): their global scales differ 4x.
     e, h, i, topk = 4, 256, 128, 2
     w1, w2 = bf16_experts(e, i, h, gated=True, seed=31)
@@ -170,9 +177,16 @@ def test_separate_w1_w3_global_scales_are_folded_exactly():
     dw1, dw2 = dequantized_experts(tensors, gated=True)
     ref = fused_moe(x, dw1, dw2, logits, topk, renormalize=True)
     out = layer(x, logits)
-    # Tolerance: the weights-only tolerance of test_flashinfer_b12x_moe (0.10,
-    # the FP8 re-rounding of folded scales).
-    assert rel_rms_error(out, ref) < 0.10
+    # Tolerance: the weights-only tolerance of test_flashinfer_b12x_moe (0.01):
+    # the up/gate ratio rides on w2_alpha, no block scale is rewritten.
+    assert rel_rms_error(out, ref) < 0.01
+    # ...and the block scales are the loaded ones, reordered and swizzled.
+    want = swizzle_blockscale(split_cat_halves(tensors["w13_weight_scale"], -2))
+    assert torch.equal(bytes_of(layer.w13_weight_scale.data), bytes_of(want))
+    # The benchmark's precision report sees the same: exact up to float32
+    # rounding of the alphas (the fold would be ~1e-2 here).
+    report = prepared_weight_precision(layer, tensors, "full")
+    assert report["rel_rms"] < 1e-6, report
     # Control: folding both halves with w1's scale (dropping w3's, as the
     # legacy fold did) misses by far.
     dropped = dict(tensors)
@@ -210,6 +224,9 @@ def test_whole_preparation_of_a_real_layer_stays_within_cap(model, cap, device):
     assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"
     # ...and it produced the right bytes, not only a small peak.
     want = whole_tensor_preparation(tensors, preset.is_gated)
+    qc = layer.quant_method.experts.quant_config
+    for key in ("g1_alphas", "g2_alphas"):
+        assert torch.equal(getattr(qc, key).cpu(), want.pop(key)), key
     for name, expected in want.items():
         got = getattr(layer, name).detach().cpu().contiguous()
         assert torch.equal(bytes_of(got), bytes_of(expected)), name
@@ -309,7 +326,9 @@ def test_preparation_input_errors():
         swizzle_blockscale_bounded(s, max_transient_bytes=0)
     with pytest.raises(ValueError, match=r"scale_2 must be \[E\] or \[E, G\]"):
         fold_global_scale_into_blockscale_(s, torch.ones(3))
-    with pytest.raises(ValueError, match=r"at least 2576 for the fold of 2"):
+    # 512 (factors) + 1024 (codes) + 2560 (one segment's tables, offset and
+    # 128-element index), each block counted as the CUDA allocator rounds it.
+    with pytest.raises(ValueError, match=r"at least 4096 for the fold of 2"):
         fold_global_scale_into_blockscale_(s, torch.ones(2), max_transient_bytes=2)
     with pytest.raises(TypeError, match="scale_2 must be a torch.Tensor"):
         fold_global_scale_into_blockscale_(s, 1.0)

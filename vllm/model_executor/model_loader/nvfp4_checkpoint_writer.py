@@ -9,7 +9,12 @@ different ones), and written as sharded safetensors with an index::
 
     python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer OUT_DIR \\
         [--format modelopt|compressed-tensors] [--activation silu|relu2] \\
-        [--quant w4a4|w4a16|mixed] [--per-layer] ...
+        [--quant w4a4|w4a16|mixed] [--per-layer] [--overwrite] ...
+
+The checkpoint is written into a new directory beside ``OUT_DIR`` and
+renamed into place at the end, so an interrupted write leaves no
+half-written checkpoint; a non-empty ``OUT_DIR`` is refused unless
+``overwrite`` (``--overwrite``). Files get the usual modes (the umask's).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -29,14 +35,22 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     nvfp4_global_scale,
     quantize_nvfp4,
 )
+from vllm.model_executor.model_loader.checkpoint_files import (
+    check_target,
+    whole_directory,
+)
 from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
     COMPRESSED_TENSORS,
     MODELOPT,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import W4A4, W4A16
 from vllm.utils.argparse_utils import positive_int
+from vllm.utils.mem_utils import available_memory_bytes
 
-__all__ = ["random_bf16_experts", "write_nvfp4_moe_checkpoint"]
+__all__ = [
+    "random_bf16_experts",
+    "write_nvfp4_moe_checkpoint",
+]
 
 
 def _global_scale(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
@@ -162,6 +176,7 @@ def write_nvfp4_moe_checkpoint(
     quant_mode: str | dict[int, str] = W4A4,
     per_layer: bool = False,
     w4a16_input_scales: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Quantize and write the routed experts of ``layers`` as an NVFP4 checkpoint.
 
@@ -195,8 +210,11 @@ def write_nvfp4_moe_checkpoint(
             even for one mode (NVIDIA's Qwen3.6 NVFP4 release does).
         w4a16_input_scales: W4A16 layers carry input scales too (some exports
             do; the reader ignores them).
+        overwrite: replace a non-empty ``out_dir`` (default: ValueError).
 
-    Returns the output directory.
+    Everything is written into a new directory beside ``out_dir`` that is
+    renamed to ``out_dir`` at the end (and removed on any error), so
+    ``out_dir`` is never half-written. Returns the output directory.
     """
     if fmt not in (MODELOPT, COMPRESSED_TENSORS):
         raise ValueError(
@@ -212,8 +230,18 @@ def write_nvfp4_moe_checkpoint(
             f"quant_mode must be {W4A4!r} or {W4A16!r}, or a dict giving one of "
             f"them to each of the layers {sorted(layers)}; got {quant_mode!r}"
         )
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with whole_directory(out_dir, overwrite) as tmp:
+        _write(tmp, layers, config, fmt, gated, prefix, block, max_shard_bytes,
+               pow2_global_scales, act_amax, quant_config_in_config_json,
+               shared_w13_global_scale, modes, per_layer,
+               w4a16_input_scales)  # fmt: skip
+    return Path(out_dir)
+
+
+def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes,
+           pow2_global_scales, act_amax, quant_config_in_config_json,
+           shared_w13_global_scale, modes, per_layer,
+           w4a16_input_scales) -> None:  # fmt: skip
     tensors: dict[str, torch.Tensor] = {}
     for layer_idx, (w13, w2) in sorted(layers.items()):
         e = w13.shape[0]
@@ -246,9 +274,13 @@ def write_nvfp4_moe_checkpoint(
         shards[-1][name] = t
         size += nbytes
     weight_map = {}
+    # safetensors creates its files with mode 0o600; give them the mode any
+    # new file gets here, which the directory (made with 0o777) shows.
+    file_mode = 0o666 & out.stat().st_mode
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, out / file, metadata={"format": "pt"})
+        os.chmod(out / file, file_mode)
         weight_map.update({name: file for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (out / "model.safetensors.index.json").write_text(
@@ -271,7 +303,6 @@ def write_nvfp4_moe_checkpoint(
     else:
         config["quantization_config"] = _compressed_tensors_config(modes, prefix, block)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
 
 
 def random_bf16_experts(
@@ -284,6 +315,17 @@ def random_bf16_experts(
     w13 = torch.randn(e, rows, hidden, generator=gen) / math.sqrt(hidden)
     w2 = torch.randn(e, hidden, inter, generator=gen) / math.sqrt(inter)
     return w13.bfloat16(), w2.bfloat16()
+
+
+def _bytes_needed(args) -> int:
+    """Peak bytes of :func:`main`: every layer's BF16 experts (2 bytes per
+    weight), their NVFP4 tensors (0.5 + 1/16), and the float32 draw of one
+    w13 (4 bytes per weight, twice: the draw and its scaled copy)."""
+    rows = 2 * args.intermediate_size if args.activation == "silu" else (
+        args.intermediate_size)  # fmt: skip
+    per_layer = args.num_experts * args.hidden_size * (rows + args.intermediate_size)
+    draw = args.num_experts * rows * args.hidden_size * 8
+    return args.num_layers * per_layer * (2 + 0.5 + 1 / 16) + draw
 
 
 def _example_config(args) -> dict:
@@ -350,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed (default %(default)s)"
     )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace OUT_DIR when it is not empty (default: "
+                        "refuse)")  # fmt: skip
     args = parser.parse_args(argv)
     for flag, value in (("--hidden-size", args.hidden_size),
                         ("--intermediate-size", args.intermediate_size)):  # fmt: skip
@@ -359,26 +404,44 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"--top-k {args.top_k} is more than --num-experts {args.num_experts}"
         )
+    try:
+        check_target(Path(args.out_dir), args.overwrite, "--overwrite")
+    except ValueError as e:
+        parser.error(str(e))
+    sizes = (f"--num-layers {args.num_layers}, --num-experts {args.num_experts}, "
+             f"--hidden-size {args.hidden_size}, --intermediate-size "
+             f"{args.intermediate_size}")  # fmt: skip
+    need, free = _bytes_needed(args), available_memory_bytes()
+    if free is not None and need > free:
+        parser.error(
+            f"{sizes} need about {need / 2**30:.1f} GiB of memory to write, "
+            f"{free / 2**30:.1f} GiB is available"
+        )
     gated = args.activation == "silu"
-    layers = {
-        i: random_bf16_experts(args.num_experts, args.hidden_size,
-                               args.intermediate_size, gated, args.seed + i)
-        for i in range(args.num_layers)
-    }  # fmt: skip
     block = "mlp" if gated else "mixer"
     prefix = "model.layers" if gated else "backbone.layers"
     if args.quant == "mixed":
-        modes = {i: W4A16 if i % 2 == 0 else W4A4 for i in layers}
+        modes = {i: W4A16 if i % 2 == 0 else W4A4 for i in range(args.num_layers)}
     else:
         modes = args.quant
     try:
+        layers = {
+            i: random_bf16_experts(args.num_experts, args.hidden_size,
+                                   args.intermediate_size, gated, args.seed + i)
+            for i in range(args.num_layers)
+        }  # fmt: skip
         out = write_nvfp4_moe_checkpoint(
             args.out_dir, layers, _example_config(args), fmt=args.format,
             gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
-            quant_mode=modes, per_layer=args.per_layer,
+            quant_mode=modes, per_layer=args.per_layer, overwrite=args.overwrite,
         )  # fmt: skip
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except (MemoryError, RuntimeError) as e:
+        if not isinstance(e, MemoryError) and "alloc" not in str(e):
+            raise
+        parser.exit(2, f"{parser.prog}: error: out of memory writing {sizes} "
+                    f"(about {need / 2**30:.1f} GiB needed)\n")  # fmt: skip
     print(f"wrote an NVFP4 ({args.format}, {args.quant}) MoE checkpoint to {out}")
 
 

@@ -21,31 +21,43 @@ compressed-tensors config groups with ``input_activations: null`` for W4A16
 :meth:`NVFP4MoECheckpoint.quant_config` gives the config to build each
 layer with; a W4A16 layer's input scales, if a file has them, are not read.
 
-Expert tensors are named ``<prefix>.layers.<L>.<mlp|mixer>.experts.<e>.<proj>.
-<suffix>`` with ``proj`` in gate_proj (w1), up_proj (w3; w1 for non-gated
-experts) and down_proj (w2). Tensors are streamed one at a time with
+Expert tensors are named ``<module>.experts.<e>.<proj>.<suffix>`` with
+``proj`` in gate_proj (w1), up_proj (w3; w1 for non-gated experts) and
+down_proj (w2); ``<module>`` is a decoder layer (``model.layers.<L>.mlp``,
+``backbone.layers.<L>.mixer``, ...) or another MoE block, listed apart
+(``mtp.layers.0.mlp``). Tensors are streamed one at a time with
 ``safetensors.safe_open``, following ``model.safetensors.index.json`` across
-shards; nothing reads a whole file into memory.
+shards; nothing reads a whole file into memory. Every file is opened first
+(no-follow, below the checkpoint directory) and checked through its
+descriptor, which is what is then read: no check-then-open race.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import stat
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     global_scale_from_compressed_tensors,
     global_scale_to_modelopt,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    get_dict as _get_dict,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    open_inside as _open_inside,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    read_json as _read_json,
+)
+from vllm.model_executor.model_loader.checkpoint_files import (
+    safe_open_inside as _safe_open_inside,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
     W4A16,
@@ -60,8 +72,17 @@ MODELOPT = "modelopt"
 COMPRESSED_TENSORS = "compressed-tensors"
 
 _EXPERT_RE = re.compile(
-    r"^(?P<prefix>.*\.layers)\.(?P<layer>\d+)\.(?P<block>mlp|mixer)\.experts\."
-    r"(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>\w+)$"
+    r"^(?P<module>.+)\.experts\.(?P<expert>[0-9]+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z0-9_]+)$"
+)
+# The decoder stacks of the models this reader serves (Qwen3 MoE, Qwen3.5,
+# Nemotron-H, DeepSeek, Mixtral-style): their MoE modules are the numbered
+# decoder layers. Experts anywhere else (``mtp.layers.0.mlp``: the
+# multi-token-prediction block of Qwen3-Next-style checkpoints) are listed
+# by their module name and never taken for a decoder layer.
+_DECODER_RE = re.compile(
+    r"^(?:model|backbone|model\.language_model|language_model\.model)\.layers\."
+    r"(?P<layer>[0-9]+)\.(?:mlp|mixer)$"
 )
 # checkpoint suffix -> (FusedMoE parameter suffix, required)
 _SUFFIXES = {
@@ -78,61 +99,6 @@ _SUFFIXES = {
         "input_global_scale": ("input_scale", False),
     },
 }
-
-
-def _regular_file(path: Path, root: Path, what: str) -> Path:
-    """``path`` resolved, checked to stay inside ``root`` (symlinks and ``..``
-    included) and to be a regular file (a FIFO or device would block or never
-    end). ValueError naming ``what`` otherwise."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise ValueError(
-            f"{what}: {path} resolves to {resolved}, outside the checkpoint "
-            f"directory {root}"
-        )
-    try:
-        mode = resolved.stat().st_mode
-    except OSError as e:
-        raise ValueError(f"{what}: cannot read {path} ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{what}: {path} is not a regular file")
-    return resolved
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _read_json(path: Path, root: Path | None = None) -> dict:
-    """A JSON object from a regular file inside ``root`` (default: its folder)."""
-    path = _regular_file(path, root or path.parent, str(path))
-    try:
-        with open(path) as f:
-            data = json.load(f, object_pairs_hook=_no_duplicate_keys)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    except ValueError as e:  # a duplicate key
-        raise ValueError(f"{path}: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _get_dict(d: dict, key: str, path: Path, default: dict | None = None) -> dict:
-    """``d[key]`` when it is a JSON object; ``default`` when absent (if given)."""
-    if key not in d and default is not None:
-        return default
-    value = d.get(key)
-    if not isinstance(value, dict):
-        raise ValueError(
-            f"{path}: {key!r} must be a JSON object, got {type(value).__name__}"
-        )
-    return value
 
 
 def detect_nvfp4_format(model_dir: Path) -> tuple[str, ExpertModes]:
@@ -166,15 +132,6 @@ def detect_nvfp4_format(model_dir: Path) -> tuple[str, ExpertModes]:
     raise ValueError(f"{config_path}: unsupported quantization method {method!r}")
 
 
-@dataclass(frozen=True)
-class _ExpertTensor:
-    name: str
-    layer: int
-    expert: int
-    proj: str
-    suffix: str
-
-
 class NVFP4MoECheckpoint:
     """An NVFP4 MoE checkpoint directory: its config, format and expert tensors.
 
@@ -182,6 +139,15 @@ class NVFP4MoECheckpoint:
         model_dir: directory with ``config.json``, the quantization config and
             ``*.safetensors`` (with ``model.safetensors.index.json`` when
             sharded).
+
+    Expert tensors are grouped by their full module name (the part before
+    ``.experts.``). The decoder layers' modules (``model.layers.<L>.mlp``,
+    ``backbone.layers.<L>.mixer``, ...) are :attr:`moe_layers`, by index;
+    experts of any other module (``mtp.layers.0.mlp``) are
+    :attr:`other_moe_modules`, by name, never merged into a decoder layer.
+    A non-canonical index (``experts.01``), a second tensor for the same
+    (layer, expert, projection, suffix) or one decoder layer with experts
+    under two modules is a ValueError naming the tensors and their files.
     """
 
     def __init__(self, model_dir: str | os.PathLike):
@@ -194,19 +160,62 @@ class NVFP4MoECheckpoint:
         self.config = config
         self.text_config = _get_dict(config, "text_config", config_path, config)
         self.weight_map = self._weight_map()
-        self._experts: dict[int, list[_ExpertTensor]] = defaultdict(list)
+        # module -> {(expert, proj, suffix): tensor name}; decoder layer -> module
+        self._modules: dict[str, dict[tuple[int, str, str], str]] = {}
+        self._layers: dict[int, str] = {}
+        self._parse_expert_names()
+        self._check_geometry()
+        self._declared = declared
+        self._quant_modes = {
+            idx: self._resolve_quant_mode(idx) for idx in self.moe_layers
+        }
+
+    # -- names --------------------------------------------------------------------
+    def _where(self, name: str) -> str:
+        return f"{name} (in {self.weight_map[name]})"
+
+    def _parse_expert_names(self) -> None:
+        firsts: dict[tuple[int | str, int, str, str], str] = {}
+        layer_modules: dict[int, dict[str, str]] = defaultdict(dict)
         for name in self.weight_map:
             m = _EXPERT_RE.match(name)
-            if m:
-                self._experts[int(m["layer"])].append(
-                    _ExpertTensor(
-                        name, int(m["layer"]), int(m["expert"]), m["proj"], m["suffix"]
-                    )  # fmt: skip
+            if not m:
+                continue
+            module, expert = m["module"], m["expert"]
+            for part in (*module.split("."), expert):
+                if part.isascii() and part.isdigit() and part != str(int(part)):
+                    raise ValueError(
+                        f"{self.model_dir}: tensor {self._where(name)} has the "
+                        f"non-canonical index {part!r} (write {int(part)})"
+                    )
+            decoder = _DECODER_RE.match(module)
+            owner: int | str = int(decoder["layer"]) if decoder else module
+            key = (owner, int(expert), m["proj"], m["suffix"])
+            if key in firsts:
+                what = f"layer {owner}" if decoder else f"module {owner}"
+                raise ValueError(
+                    f"{self.model_dir}: {self._where(name)} is a second tensor "
+                    f"for {what}, expert {expert}, {m['proj']}.{m['suffix']}, "
+                    f"after {self._where(firsts[key])}"
                 )
-        if not self._experts:
-            raise ValueError(f"{self.model_dir}: no routed-expert tensors found")
-        self._check_geometry()
-        self._quant_modes = self._resolve_quant_modes(declared)
+            firsts[key] = name
+            self._modules.setdefault(module, {})[key[1:]] = name
+            if decoder:
+                layer_modules[owner].setdefault(module, name)
+        for layer_idx, modules in sorted(layer_modules.items()):
+            if len(modules) > 1:
+                examples = " and ".join(self._where(n) for n in modules.values())
+                raise ValueError(
+                    f"{self.model_dir}: decoder layer {layer_idx} has routed "
+                    f"experts under {len(modules)} modules ({', '.join(modules)}): "
+                    f"{examples}"
+                )
+            self._layers[layer_idx] = next(iter(modules))
+        if not self._layers:
+            others = f" (only in {self.other_moe_modules})" if self._modules else ""
+            raise ValueError(
+                f"{self.model_dir}: no routed-expert tensors in decoder layers{others}"
+            )
 
     # -- geometry ---------------------------------------------------------------
     def _cfg(self, *keys: str) -> int:
@@ -227,8 +236,8 @@ class NVFP4MoECheckpoint:
         every MoE layer, H and I against one expert's tensor headers."""
         path = self.model_dir / "config.json"
         e = self.num_experts
-        for layer_idx, tensors in self._experts.items():
-            found = 1 + max(t.expert for t in tensors)
+        for layer_idx, module in self._layers.items():
+            found = 1 + max(ex for ex, _, _ in self._modules[module])
             if found != e:
                 raise ValueError(
                     f"{path}: says {e} experts, but layer {layer_idx} of the "
@@ -236,28 +245,27 @@ class NVFP4MoECheckpoint:
                 )
         h, i = self.hidden_size, self.intermediate_size
         weight = "weight" if self.format == MODELOPT else "weight_packed"
-        layer = self._experts[self.moe_layers[0]]
-        for t in layer:
-            if t.expert != 0 or t.suffix != weight:
+        layer = self._modules[self._layers[self.moe_layers[0]]]
+        for (expert, proj, suffix), name in layer.items():
+            if expert != 0 or suffix != weight:
                 continue
-            want = (h, i // 2) if t.proj == "down_proj" else (i, h // 2)
-            got = self._header_shape(t.name)
+            want = (h, i // 2) if proj == "down_proj" else (i, h // 2)
+            got = self._header_shape(name)
             if got != want:
                 raise ValueError(
                     f"{path}: hidden_size {h} and intermediate size {i} mean "
-                    f"{t.name} has shape {want}, the checkpoint has {got}"
+                    f"{name} has shape {want}, the checkpoint has {got}"
                 )
 
     def _header_shape(self, name: str) -> tuple[int, ...]:
         file = self.model_dir / self.weight_map[name]
-        _regular_file(file, self.model_dir, name)
-        try:
-            with safe_open(file, framework="pt", device="cpu") as f:
+        with _safe_open_inside(file, self.model_dir, name) as f:
+            try:
                 return tuple(f.get_slice(name).get_shape())
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(
-                f"{file}: cannot read the header of {name} ({e})"
-            ) from None
+            except Exception as e:  # safetensors raises its own error types
+                raise ValueError(
+                    f"{file}: cannot read the header of {name} ({e})"
+                ) from None
 
     @property
     def num_experts(self) -> int:
@@ -278,36 +286,51 @@ class NVFP4MoECheckpoint:
     @property
     def activation(self) -> str:
         """ "silu" (gated) unless the experts have no gate_proj (then relu2)."""
-        layer = next(iter(self._experts.values()))
-        return "silu" if any(t.proj == "gate_proj" for t in layer) else "relu2"
+        layer = self._modules[self._layers[self.moe_layers[0]]]
+        return "silu" if any(p == "gate_proj" for _, p, _ in layer) else "relu2"
 
     @property
     def moe_layers(self) -> list[int]:
         """Indices of the decoder layers that hold routed experts."""
-        return sorted(self._experts)
+        return sorted(self._layers)
+
+    @property
+    def other_moe_modules(self) -> list[str]:
+        """Modules outside the decoder layers that hold routed experts (e.g.
+        ``mtp.layers.0.mlp``), by name; load one with
+        ``load_layer(layer, name)``."""
+        decoder = set(self._layers.values())
+        return sorted(m for m in self._modules if m not in decoder)
 
     # -- quantization mode ------------------------------------------------------
-    def _resolve_quant_modes(self, declared: ExpertModes) -> dict[int, str]:
-        """Each MoE layer's mode from the config's declaration, resolved for
-        the layer's experts module and every expert linear in the files."""
-        modes = {}
-        for layer_idx, tensors in self._experts.items():
-            linears = {t.name.rsplit(".", 1)[0] for t in tensors}
-            module = tensors[0].name.split(".experts.")[0] + ".experts"
-            modes[layer_idx] = declared.mode_of(module, linears)
-        return modes
+    def _module(self, layer_idx: int | str) -> str:
+        """The module holding decoder layer ``layer_idx``'s experts, or the
+        module named ``layer_idx`` (one of :attr:`other_moe_modules`)."""
+        if isinstance(layer_idx, str) and layer_idx in self._modules:
+            return layer_idx
+        if not isinstance(layer_idx, str) and layer_idx in self._layers:
+            return self._layers[layer_idx]
+        raise ValueError(
+            f"{self.model_dir}: layer {layer_idx!r} has no routed experts; MoE "
+            f"layers are {self.moe_layers}, other MoE modules "
+            f"{self.other_moe_modules}"
+        )
 
-    def quant_mode(self, layer_idx: int) -> str:
+    def _resolve_quant_mode(self, layer_idx: int | str) -> str:
+        """A MoE layer's mode from the config's declaration, resolved for the
+        layer's experts module and every expert linear in the files."""
+        module = self._module(layer_idx)
+        linears = {n.rsplit(".", 1)[0] for n in self._modules[module].values()}
+        return self._declared.mode_of(module + ".experts", linears)
+
+    def quant_mode(self, layer_idx: int | str) -> str:
         """``"w4a4"`` or ``"w4a16"``: what the checkpoint declares for the
-        experts of MoE layer ``layer_idx``."""
+        experts of MoE layer ``layer_idx`` (or of the module named so)."""
         if layer_idx not in self._quant_modes:
-            raise ValueError(
-                f"{self.model_dir}: layer {layer_idx} has no routed experts; MoE "
-                f"layers are {self.moe_layers}"
-            )
+            self._quant_modes[layer_idx] = self._resolve_quant_mode(layer_idx)
         return self._quant_modes[layer_idx]
 
-    def quant_config(self, layer_idx: int):
+    def quant_config(self, layer_idx: int | str):
         """A ``ModelOptNvFp4Config`` with the ``quant_mode`` the checkpoint
         declares for MoE layer ``layer_idx`` (a new object per call): what a
         ``FusedMoE`` for that layer is built with before ``load_layer``."""
@@ -336,14 +359,15 @@ class NVFP4MoECheckpoint:
                     )
                 if not (self.model_dir / file).exists():
                     raise ValueError(f"{index}: shard {file} is missing")
-                _regular_file(self.model_dir / file, self.model_dir, str(index))
+                os.close(
+                    _open_inside(self.model_dir / file, self.model_dir, str(index))
+                )
             return wm
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{self.model_dir}: no *.safetensors files")
         wm = {}
         for path in files:
-            _regular_file(path, self.model_dir, "shard")
             for name in self._keys(path):
                 if name in wm:
                     raise ValueError(
@@ -353,16 +377,12 @@ class NVFP4MoECheckpoint:
                 wm[name] = path.name
         return wm
 
-    @staticmethod
-    def _keys(path: Path) -> list[str]:
-        try:
-            with safe_open(path, framework="pt", device="cpu") as f:
-                return list(f.keys())
-        except Exception as e:  # safetensors raises its own error types
-            raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    def _keys(self, path: Path) -> list[str]:
+        with _safe_open_inside(path, self.model_dir, "shard") as f:
+            return list(f.keys())
 
     def _expected(
-        self, layer_idx: int, gated: bool
+        self, layer_idx: int | str, gated: bool
     ) -> list[tuple[int, str, str, bool]]:
         projs = (
             ("gate_proj", "up_proj", "down_proj") if gated else ("up_proj", "down_proj")
@@ -374,13 +394,9 @@ class NVFP4MoECheckpoint:
             for suffix, (_, required) in _SUFFIXES[self.format].items()
         ]
 
-    def _check_layer(self, layer_idx: int) -> dict[tuple[int, str, str], str]:
-        if layer_idx not in self._experts:
-            raise ValueError(
-                f"{self.model_dir}: layer {layer_idx} has no routed experts; MoE "
-                f"layers are {self.moe_layers}"
-            )
-        found = {(t.expert, t.proj, t.suffix): t.name for t in self._experts[layer_idx]}
+    def _check_layer(self, layer_idx: int | str) -> dict[tuple[int, str, str], str]:
+        module = self._module(layer_idx)
+        found = self._modules[module]
         n_found = 1 + max(e for e, _, _ in found)
         if n_found != self.num_experts:
             raise ValueError(
@@ -388,21 +404,21 @@ class NVFP4MoECheckpoint:
                 f"experts but config.json says {self.num_experts}"
             )
         gated = self.activation == "silu"
-        prefix = self._experts[layer_idx][0].name.split(".experts.")[0]
         for e, proj, suffix, required in self._expected(layer_idx, gated):
             if required and (e, proj, suffix) not in found:
                 raise ValueError(
                     f"{self.model_dir}: missing tensor "
-                    f"{prefix}.experts.{e}.{proj}.{suffix} (layer {layer_idx})"
+                    f"{module}.experts.{e}.{proj}.{suffix} (layer {layer_idx})"
                 )
         return found
 
     def iter_layer_tensors(
-        self, layer_idx: int, experts: range | None = None, progress: bool = False
+        self, layer_idx: int | str, experts: range | None = None, progress: bool = False
     ) -> Iterator[tuple[str, int, str, str, torch.Tensor]]:
         """Yield ``(name, expert, proj, param_suffix, tensor)`` for every expert
-        tensor of ``layer_idx`` (optionally only ``experts``), one at a time,
-        in file order. Global scales come out in ModelOpt's dequantization
+        tensor of decoder layer ``layer_idx`` (or of the module named so, one
+        of :attr:`other_moe_modules`), optionally only ``experts``, one at a
+        time, in file order. Global scales come out in ModelOpt's dequantization
         direction whatever the format."""
         found = self._check_layer(layer_idx)
         suffixes = _SUFFIXES[self.format]
@@ -419,14 +435,8 @@ class NVFP4MoECheckpoint:
                    disable=not progress, leave=False)  # fmt: skip
         with bar:
             for file, items in sorted(by_file.items()):
-                path = _regular_file(self.model_dir / file, self.model_dir, file)
-                try:
-                    handle = safe_open(path, framework="pt", device="cpu")
-                except Exception as e:
-                    raise ValueError(
-                        f"{path}: cannot open ({e}); needed for {items[0][3]}"
-                    ) from None
-                with handle as f:
+                path = self.model_dir / file
+                with _safe_open_inside(path, self.model_dir, items[0][3]) as f:
                     for e, proj, suffix, name in items:
                         try:
                             tensor = f.get_tensor(name)
@@ -446,9 +456,10 @@ class NVFP4MoECheckpoint:
                         bar.update()
 
     def load_layer(
-        self, layer: torch.nn.Module, layer_idx: int, progress: bool = False
+        self, layer: torch.nn.Module, layer_idx: int | str, progress: bool = False
     ):
-        """Load decoder layer ``layer_idx``'s experts into ``layer`` (a
+        """Load decoder layer ``layer_idx``'s experts (or those of the module
+        named so, one of :attr:`other_moe_modules`) into ``layer`` (a
         ``FusedMoE``) through its ``weight_loader``. Checks the geometry
         first; every tensor is checked by the loader (shape, dtype)."""
         if layer.global_num_experts != self.num_experts:

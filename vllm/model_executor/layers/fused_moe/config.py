@@ -25,6 +25,8 @@ class FusedMoEConfig:
         activation: see :class:`MoEActivation`.
         in_dtype: activation dtype (bfloat16 for the b12x kernel).
         tp_rank, tp_size: tensor parallelism along I.
+        ep_size: expert parallelism: this rank holds E of ep_size * E
+            experts (1: all of them).
     """
 
     num_experts: int
@@ -35,6 +37,7 @@ class FusedMoEConfig:
     in_dtype: torch.dtype = torch.bfloat16
     tp_rank: int = 0
     tp_size: int = 1
+    ep_size: int = 1
 
     @property
     def is_act_and_mul(self) -> bool:

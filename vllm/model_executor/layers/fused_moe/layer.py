@@ -148,6 +148,7 @@ class FusedMoE(torch.nn.Module):
             in_dtype=params_dtype,
             tp_rank=tp_rank,
             tp_size=tp_size,
+            ep_size=ep_size,
         )
         self.top_k = top_k
         self.renormalize = renormalize

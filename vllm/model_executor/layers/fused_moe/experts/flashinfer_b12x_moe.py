@@ -3,28 +3,31 @@
 """FlashInfer b12x NVFP4 MoE experts (SM120/SM121) and their weight preparation.
 
 ``process_weights_after_loading`` turns a loaded ModelOpt NVFP4 layer into
-what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
+what FlashInfer's b12x MoE (``B12xMoEWrapper``, called as
+``flashinfer_b12x_call`` describes) reads, in bounded memory::
 
     checkpoint layout                         b12x layout
     w13_weight        [E, 2I, H/2] [w1; w3]   -> [w3; w1]          (in place)
     w13_weight_scale  [E, 2I, H/16] linear    -> reorder, 128x4 swizzle
-    w13_weight_scale_2 [E, 2]                 -> g1_alphas (w1_alpha)
+    w13_weight_scale_2 [E, 2] (w1, w3)        -> (w3, w1); s_w1 -> g1_alphas
     w2_weight_scale   [E, H, I/16] linear     -> 128x4 swizzle
-    w2_weight_scale_2 [E]                     -> g2_alphas (w2_alpha)
+    w2_weight_scale_2 [E]                     -> x s_w3 / s_w1 -> g2_alphas
     (new) quant_config.w1_scale / w2_scale    the swizzled scales
     (new) w1_sf_mma / w2_sf_mma               their MMA-layout views (no copy)
     (new) _fc2_input_scale [E]                1: FC2 input quantized dynamically
 
 0. validate: scales finite and positive (block scales finite), before any
    write;
-1. fold: only where it is needed. Default ``global_scale_mode="alpha"``:
-   the per-expert global scales become the kernel's alphas and the FP8
-   block scales stay exactly as loaded; an expert whose w1 and w3 global
-   scales differ gets the larger as alpha and the ratio folded into the
-   other half. ``"fold"`` (upstream's contract): every global scale is
-   multiplied into its FP8 block scales, chunk by chunk, and set to 1;
+1. fold: only in ``"fold"`` mode (upstream's contract): every global scale
+   is multiplied into its FP8 block scales, chunk by chunk, and set to 1.
+   Default ``global_scale_mode="alpha"``: nothing; the per-expert global
+   scales become the kernel's alphas and no block scale is ever rewritten.
+   An expert whose w1 (gate) and w3 (up) global scales differ gets
+   w1_alpha = s_gate and w2_alpha = s_w2 * s_up / s_gate: SiLU-and-mul is
+   linear in up, and FC2's input is quantized dynamically;
 2. reorder (gated only): ``reorder_w1w3_to_w3w1`` on the weight and the
-   linear scales, before any swizzle (a half swap is only valid on the
+   linear scales (the [E, 2] global and input scales' columns follow),
+   before any swizzle (a half swap is only valid on the
    swizzled layout when I is a multiple of 128);
 3. swizzle: in place, 128 rows at a time, padding included (the scale
    parameters are created with room for it: ``swizzles_block_scales``);
@@ -32,13 +35,16 @@ what ``flashinfer.b12x_fused_moe`` reads, in bounded memory::
 
 Every step allocates at most ``max_transient_bytes``. (Scale parameters
 made without room for the padding get a new padded tensor instead.)
+
+(Over 500 lines: the preparation steps, their recovery and the call they
+prepare for are one contract, kept in one place; FlashInfer specifics live
+in ``flashinfer_b12x_call``.)
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import logging
 from collections.abc import Callable
 
@@ -48,6 +54,12 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
+)
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
+    b12x_w4a4_config_problems,
+    flashinfer_takes_input_global_scale,
+    make_b12x_wrapper,
+    warn_fold_fallback,
 )
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
     fold_to,
@@ -113,29 +125,30 @@ def _flashinfer_b12x_support() -> Support:
             "needs flashinfer-python (pip install -r requirements/cuda.txt)"
         )
     try:
-        from flashinfer import b12x_fused_moe  # noqa: F401
+        from flashinfer import B12xMoEWrapper  # noqa: F401
     except ImportError as e:
-        return Support.no(f"flashinfer has no b12x_fused_moe ({e})")
-    return Support.yes()
-
-
-@functools.cache
-def _flashinfer_takes_input_global_scale() -> Support:
-    if importlib.util.find_spec("flashinfer") is None:
-        return Support.no("flashinfer-python is not installed")
-    try:
-        from flashinfer import b12x_fused_moe
-    except ImportError as e:
-        return Support.no(f"flashinfer has no b12x_fused_moe ({e})")
-    if "input_global_scale" not in inspect.signature(b12x_fused_moe).parameters:
-        return Support.no("this flashinfer's b12x_fused_moe has no input_global_scale")
+        return Support.no(f"flashinfer has no B12xMoEWrapper ({e})")
     return Support.yes()
 
 
 def is_flashinfer_b12x_moe_available() -> Support:
     """The one gate of the b12x kernel: SM120/121, CUDA 13+, flashinfer's
-    ``b12x_fused_moe`` importable. Truthy, or falsy with the reason."""
+    ``B12xMoEWrapper`` importable. Truthy, or falsy with the reason."""
     return _flashinfer_b12x_support()
+
+
+def _wait_for_step(device: torch.device) -> None:
+    """Wait, once at the end of a step, until the device has finished it.
+
+    On CUDA a chunk's copies are only queued when its progress is recorded;
+    an asynchronous error (or a failure of the device) would surface at some
+    later call. Synchronizing here, before the step is recorded done, means
+    a step recorded done has run to the end, and an error is raised by the
+    step it belongs to. Once per step, not per chunk: chunks stay queued
+    back to back. (An interrupted step resumes from recorded chunks, which
+    the stream runs in order before anything queued after them.)"""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
@@ -166,6 +179,13 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
     Activations are BF16 and quantized inside the kernel; the output is
     BF16. Supports ``silu`` (gated) and ``relu2``. No expert parallelism.
+    What FlashInfer's W4A4 kernel cannot run is refused when the experts are
+    created (:meth:`check_kernel_config`), not at the first forward.
+
+    ``max_num_tokens``: None (default) calls FlashInfer eagerly; an int
+    makes the call CUDA-graph capturable (FlashInfer's workspaces and output
+    buffer for that many tokens are allocated at the first call; the output
+    of ``apply`` is then that buffer, valid until the layer's next call).
     """
 
     name = "flashinfer_b12x"
@@ -179,6 +199,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         *,
         max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
         global_scale_mode: str = "alpha",
+        max_num_tokens: int | None = None,
     ):
         super().__init__(moe_config, quant_config)
         if global_scale_mode not in GLOBAL_SCALE_MODES:
@@ -186,7 +207,21 @@ class FlashInferB12xExperts(FusedMoEExperts):
                 f"global_scale_mode must be one of {GLOBAL_SCALE_MODES}, got "
                 f"{global_scale_mode!r}"
             )
+        if max_num_tokens is not None and (
+            isinstance(max_num_tokens, bool)
+            or not isinstance(max_num_tokens, int)
+            or max_num_tokens < 1
+        ):
+            raise ValueError(
+                f"max_num_tokens must be a positive int or None, got {max_num_tokens!r}"
+            )
+        self.check_kernel_config(moe_config)
         self.max_transient_bytes = max_transient_bytes
+        self.max_num_tokens = max_num_tokens
+        #: FlashInfer's B12xMoEWrapper for this layer, built on the first
+        #: apply (it needs the device); it keeps its weight views and folded
+        #: alpha while the tensors it was given stay the same.
+        self._wrapper = None
         #: "alpha" (default): each expert's weight global scale is the
         #: kernel's w1_alpha / w2_alpha and the FP8 block scales stay as
         #: loaded (exact). "fold": upstream's contract, the global scales
@@ -202,20 +237,41 @@ class FlashInferB12xExperts(FusedMoEExperts):
         #: config has one, else a new tensor. Set by
         #: process_weights_after_loading, required by apply.
         self._fc2_input_scale: torch.Tensor | None = None
+        #: FC1 input global scale [E] float32, all 1 (dynamic quantization,
+        #: as before FlashInfer had the argument), made once by finalize in
+        #: "alpha" mode: ``w1_alpha`` is then the weight's scale alone.
+        #: None in "fold" mode (``w1_alpha`` = 1 plays both roles).
+        self._fc1_input_scale: torch.Tensor | None = None
+
+    @classmethod
+    def check_kernel_config(cls, moe: FusedMoEConfig) -> None:
+        """ValueError listing what FlashInfer's W4A4 b12x kernel (0.7.4)
+        cannot run in ``moe``: BF16 activations, hidden size a multiple of
+        128, intermediate size a multiple of 16, silu or relu2, no expert
+        parallelism."""
+        problems = b12x_w4a4_config_problems(moe)
+        if problems:
+            raise ValueError(
+                f"MoE backend {cls.name!r} (FlashInfer b12x, W4A4) cannot run this "
+                "layer: " + "; ".join(problems)
+            )
 
     @classmethod
     def supports_unfolded_alpha(cls) -> Support:
         """Whether the kernel takes ``input_global_scale`` (FlashInfer >=
         0.6.17), so that ``w1_alpha`` can carry the weight's global scale
         without also scaling the FC1 input quantization."""
-        return _flashinfer_takes_input_global_scale()
+        return flashinfer_takes_input_global_scale()
 
     @property
     def effective_global_scale_mode(self) -> str:
         """``global_scale_mode``, or "fold" where the kernel cannot take an
-        unfolded alpha (an older FlashInfer)."""
-        if self.global_scale_mode == "alpha" and not self.supports_unfolded_alpha():
-            return "fold"
+        unfolded alpha (an older FlashInfer; logged once, with the reason)."""
+        if self.global_scale_mode == "alpha":
+            support = self.supports_unfolded_alpha()
+            if not support:
+                warn_fold_fallback(support.reason)
+                return "fold"
         return self.global_scale_mode
 
     # -- capability predicates ------------------------------------------------
@@ -299,19 +355,13 @@ class FlashInferB12xExperts(FusedMoEExperts):
                     # Upstream's contract: each expert's global scale (w1's and
                     # w3's own for w13) into its FP8 block scales; then it is 1.
                     target, after = loaded, 1.0
-                elif prefix == "w13" and bool((loaded != loaded[:, :1]).any()):
-                    # "alpha": the global scales stay, as the kernel's
-                    # per-expert alphas, and the block scales stay as loaded.
-                    # Only an expert whose two w13 row groups have different
-                    # global scales cannot be described by one alpha: it gets
-                    # the larger one, and the ratio (< 1) is folded into the
-                    # other half's block scales (a scale of 448 never
-                    # saturates).
-                    alpha = loaded.amax(dim=1, keepdim=True)  # [E, 1]
-                    target, after = loaded / alpha, alpha.expand_as(loaded)
                 elif name in state.folds:
                     target, after = torch.ones_like(loaded), None  # undo a fold
                 else:
+                    # "alpha": no block scale is rewritten. The global scales
+                    # stay as loaded and become the kernel's alphas; an expert
+                    # whose gate and up global scales differ carries the
+                    # ratio s_up / s_gate in its FC2 alpha (_kernel_alphas).
                     continue
                 fold_to(self, layer, state, prefix, target, after)
 
@@ -356,6 +406,32 @@ class FlashInferB12xExperts(FusedMoEExperts):
             for i, (name, _) in enumerate(steps)
         ]
 
+    def _kernel_alphas(
+        self, layer: torch.nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's per-expert ``(w1_alpha, w2_alpha)``, each [E] float32,
+        new tensors (tiny) computed from the prepared layer's global scales.
+
+        ``w1_alpha`` is the gate's global scale (w1; the only row group of a
+        non-gated layer). For gated experts whose up (w3) global scale
+        differs, FC1 then computes ``up * s_gate / s_up``; SiLU-and-mul is
+        linear in up, so the factor ``s_up / s_gate`` moves to FC2's output:
+        ``w2_alpha = s_w2 * s_up / s_gate``. The FC2 input is quantized
+        dynamically (global scale 1), so its scaling changes nothing else.
+        After a fold every global scale is 1 and so are both alphas.
+        """
+        moe = self.moe_config
+        e = moe.num_experts
+        s13 = layer.w13_weight_scale_2.reshape(e, -1)  # [E, G]
+        s2 = layer.w2_weight_scale_2.reshape(e)
+        if not moe.is_act_and_mul:
+            return s13[:, 0].contiguous(), s2.contiguous()
+        # The [E, 2] columns stay in the order the layer was loaded in
+        # (column g = row group g at load): [w3, w1] when w3 was placed first.
+        up_col = 0 if get_prep_state(layer).load_w3w1 else 1
+        s_up, s_gate = s13[:, up_col], s13[:, 1 - up_col]
+        return s_gate.contiguous(), s2 * (s_up / s_gate)  # x / x is exactly 1
+
     def _bind_prepared(self, layer: torch.nn.Module) -> None:
         """The kernel's views of a prepared layer's parameters (no copy)."""
         qc = self.quant_config
@@ -368,24 +444,25 @@ class FlashInferB12xExperts(FusedMoEExperts):
         qc.w2_scale = layer.w2_weight_scale
         self.w1_sf_mma = blockscale_mma_layout_view(qc.w1_scale, rows, h, e)
         self.w2_sf_mma = blockscale_mma_layout_view(qc.w2_scale, h, inter, e)
-        qc.g1_alphas = layer.w13_weight_scale_2[:, 0].contiguous()  # [E], tiny
-        qc.g2_alphas = layer.w2_weight_scale_2.reshape(e).contiguous()
+        qc.g1_alphas, qc.g2_alphas = self._kernel_alphas(layer)
         # The kernel quantizes the FC2 input dynamically: its global scale
         # is 1. Upstream hands the kernel the config's FC2 input scale
         # filled with 1; without one, a new [E] tensor of ones.
+        ones = functools.partial(torch.ones, e, dtype=torch.float32,
+                                 device=layer.w13_weight.device)  # fmt: skip
         if qc.a2_gscale is not None:
             qc.a2_gscale.fill_(1.0)
             self._fc2_input_scale = qc.a2_gscale
         else:
-            self._fc2_input_scale = torch.ones(
-                e, dtype=torch.float32, device=layer.w13_weight.device
-            )
+            self._fc2_input_scale = ones()
+        alpha = self.effective_global_scale_mode == "alpha"
+        self._fc1_input_scale = ones() if alpha else None
 
     def _drop_prepared(self) -> None:
         qc = self.quant_config
         qc.w1_scale = qc.w2_scale = qc.g1_alphas = qc.g2_alphas = None
         self.w1_sf_mma = self.w2_sf_mma = None
-        self._fc2_input_scale = None
+        self._fc2_input_scale = self._fc1_input_scale = None
 
     def _recorded(self, layer, state, steps):
         """The last of ``steps`` as a recorded step: runs every step of
@@ -406,12 +483,14 @@ class FlashInferB12xExperts(FusedMoEExperts):
                     check_load_layout(layer, self.moe_config)
                     name, validate = steps[0]
                     validate()
+                    _wait_for_step(layer.w13_weight.device)
                     state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
                     state.begin(PrepStatus.PREPARING)
                     state.done.append(name)
                 for name, fn in steps:
                     if name not in state.done:
                         fn()
+                        _wait_for_step(layer.w13_weight.device)
                         state.done.append(name)
                 if steps[-1][0] == "finalize":
                     state.status = PrepStatus.PREPARED
@@ -478,29 +557,34 @@ class FlashInferB12xExperts(FusedMoEExperts):
 
     # -- compute --------------------------------------------------------------
     def apply(self, hidden_states, w1, w2, topk_weights, topk_ids):
-        self._check_prepared()
-        from flashinfer import b12x_fused_moe
+        """One call of FlashInfer's b12x W4A4 MoE on the prepared layer.
 
+        Creates nothing per call here, and nothing new in FlashInfer's caches
+        once the first call has built the wrapper's weight views: every
+        tensor handed over (alphas, scales, FC1/FC2 input scales) was made
+        once by the preparation (see ``flashinfer_b12x_call``).
+        """
+        self._check_prepared()
+        if self._wrapper is None:
+            self._wrapper = make_b12x_wrapper(
+                self.moe_config, hidden_states.device, self.max_num_tokens
+            )
         qc = self.quant_config
         extra = {}
-        if self.effective_global_scale_mode == "alpha":
+        if self._fc1_input_scale is not None:
             # The FC1 input keeps its own (dynamic, global 1) quantization;
             # w1_alpha is then the weight's global scale alone.
-            extra["input_global_scale"] = torch.ones_like(qc.g1_alphas)
-        return b12x_fused_moe(
+            extra["input_global_scale"] = self._fc1_input_scale
+        return self._wrapper.run(
             hidden_states,
             w1,
             self.w1_sf_mma,
             w2,
             self.w2_sf_mma,
-            topk_ids.to(torch.int32),
-            topk_weights.float(),
-            self.moe_config.num_experts,
-            self.moe_config.experts_per_token,
+            topk_ids.to(torch.int32),  # fused_topk's ids are int32: no copy
+            topk_weights.float(),  # float32 already: no copy
             w1_alpha=qc.g1_alphas,
             w2_alpha=qc.g2_alphas,
             fc2_input_scale=self._fc2_input_scale,
             **extra,
-            activation=self.moe_config.activation.flashinfer_name,
-            quant_mode="nvfp4",
         )

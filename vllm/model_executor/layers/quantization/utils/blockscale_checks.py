@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    ALLOCATION_GRANULE,
     DEFAULT_MAX_TRANSIENT_BYTES,
     check_cap,
     check_contiguous,
+    largest_block_within,
     moe_prep_threads,
     tile_bytes,
 )
@@ -61,7 +63,12 @@ def check_blockscale_values(
         lo, hi = torch.aminmax(flat.view(torch.int8))
     if int(lo) >= 0 and int(hi) <= 126:
         return
-    step = max(1, min(cap // 4, tile_bytes(scale.device) // 2))
+    del lo, hi
+    # Per chunk: two bool masks, plus two small blocks (the any() flag, the
+    # nonzero() position; on CPU, the compared scalar), each block counted
+    # as the CUDA allocator rounds it (512 bytes).
+    mask = largest_block_within(max(1, (cap - 2 * ALLOCATION_GRANULE) // 2))
+    step = max(1, min(mask, tile_bytes(scale.device) // 2))
     for start in range(0, flat.numel(), step):
         chunk = flat[start : start + step]
         # NaN is 0x7F / 0xFF, negative is 0x81..0xFE: byte > 0x80 or == 0x7F.

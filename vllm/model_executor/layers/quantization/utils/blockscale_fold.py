@@ -10,8 +10,10 @@ from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_tensor,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    ALLOCATION_GRANULE,
     DEFAULT_MAX_TRANSIENT_BYTES,
     ChunkProgress,
+    allocation_bytes,
     check_cap,
     run_chunks,
     tile_bytes,
@@ -24,19 +26,41 @@ __all__ = [
 ]
 
 
-# The fold's fixed allocations: the 256 FP8 codes as float32 (1 KiB, 1.25 KiB
-# while they are made) and, per (expert, row group) segment, its float32
-# factor (a view when scale_2 is float32); per segment in a chunk: its table
-# (float32 and FP8: 1280 bytes) and offset (4 bytes); per element in a chunk:
-# its int32 index (4 bytes).
-_FOLD_CODES_BYTES = 1280
-_FOLD_TABLE_BYTES = 256 * 5 + 4
+# The fold's allocations, in the sizes the CUDA allocator counts (each block
+# rounded up to 512 bytes): the 256 FP8 codes as float32 (1 KiB kept; while
+# they are made, an int32 and a uint8 [256] too: 1 KiB + 512 B), and, per
+# (expert, row group) segment, its float32 factor (a view when scale_2 is
+# float32; counted anyway). Per chunk of k segments and n elements: the
+# tables (float32 [k, 256] and FP8 [k * 256]), the offsets (int32 [k]) and
+# the index (int32 [n]), four blocks. One segment and 128 elements is the
+# smallest chunk: 1024 + 512 + 512 + 512 bytes.
+_FOLD_CODES_BYTES = 1024
+_FOLD_SMALLEST_CHUNK_BYTES = 1024 + 3 * ALLOCATION_GRANULE
+
+
+def _fold_chunk_bytes(k: int, n: int) -> int:
+    """Allocated bytes of a chunk of ``k`` segments and ``n`` elements."""
+    return sum(allocation_bytes(b) for b in (1024 * k, 256 * k, 4 * k, 4 * n))
 
 
 def _fold_min_cap(segments: int) -> int:
-    """The smallest cap the fold works with: codes, factors, one table and
-    the index of one element."""
-    return _FOLD_CODES_BYTES + 4 * segments + _FOLD_TABLE_BYTES + 4
+    """The smallest cap the fold works with: factors, codes and the
+    smallest chunk, each block rounded as the CUDA allocator counts it."""
+    return (
+        allocation_bytes(4 * segments) + _FOLD_CODES_BYTES + _FOLD_SMALLEST_CHUNK_BYTES
+    )
+
+
+def _fold_elements_per_chunk(segs: int, seg_len: int, budget: int) -> int:
+    """Elements per chunk whose allocations fit ``budget`` bytes: whole
+    segments when one fits (as many as fit), else pieces of one segment."""
+    if _fold_chunk_bytes(1, seg_len) <= budget:
+        k = 1
+        while k < segs and _fold_chunk_bytes(k + 1, (k + 1) * seg_len) <= budget:
+            k += 1
+        return k * seg_len
+    index_bytes = budget - _fold_chunk_bytes(1, 0)  # after one segment's tables
+    return max(1, index_bytes // ALLOCATION_GRANULE * ALLOCATION_GRANULE // 4)
 
 
 def _fp8_codes(device: torch.device) -> torch.Tensor:
@@ -61,8 +85,9 @@ def fold_global_scale_into_blockscale_(
             for G equal row groups per expert (G = 2 for ``w13`` with separate
             w1 and w3 scales: rows [0, R/2) use ``scale_2[:, 0]``, rows
             [R/2, R) use ``scale_2[:, 1]``).
-        max_transient_bytes: cap on what the call allocates: at least
-            2.5 KiB plus 4 bytes per (expert, row group).
+        max_transient_bytes: cap on what the call allocates, each block
+            counted rounded up to 512 bytes as the CUDA allocator does: at
+            least 3.5 KiB plus 4 bytes per (expert, row group), rounded.
         progress: resumption point (see :class:`ChunkProgress`); without it a
             retry after an exception would fold the chunks already done twice.
 
@@ -110,11 +135,9 @@ def fold_global_scale_into_blockscale_(
     seg_len = (r // groups) * c
     data = scale.view(torch.uint8).view(segs, seg_len)  # [E*G, L]
     budget = max(min(cap, tile_bytes(scale.device)), _fold_min_cap(segs))
-    budget -= _FOLD_CODES_BYTES + 4 * segs  # what chunks may use
-    if seg_len * 4 + _FOLD_TABLE_BYTES <= budget:
-        per = (budget // (seg_len * 4 + _FOLD_TABLE_BYTES)) * seg_len
-    else:
-        per = (budget - _FOLD_TABLE_BYTES) // 4
+    # What chunks may use: the rest after the factors and the codes.
+    budget -= allocation_bytes(4 * segs) + _FOLD_CODES_BYTES
+    per = _fold_elements_per_chunk(segs, seg_len, budget)
     chunks = unit_chunks(segs, seg_len, per)
     kmax = max(k for _, k, _, _ in chunks)
     nmax = max(k * n for _, k, _, n in chunks)

@@ -15,10 +15,13 @@ import torch
 from vllm import envs
 
 __all__ = [
+    "ALLOCATION_GRANULE",
     "DEFAULT_MAX_TRANSIENT_BYTES",
     "ChunkProgress",
+    "allocation_bytes",
     "check_cap",
     "check_contiguous",
+    "largest_block_within",
     "moe_prep_threads",
     "run_chunks",
     "tile_bytes",
@@ -45,6 +48,27 @@ DEFAULT_MAX_TRANSIENT_BYTES = 64 << 20
 # the buffer is larger there; this value is reasoned, not measured on SM12x.
 _TILE_BYTES = {"cpu": 2 << 20, "cuda": 16 << 20}
 _DEFAULT_TILE_BYTES = 2 << 20
+
+
+#: The CUDA caching allocator rounds every block up to a multiple of 512
+#: bytes and ``torch.cuda.memory_allocated`` counts the rounded size. The
+#: bounded steps plan their caps in rounded sizes on every device, so a cap
+#: that holds on a CPU holds as the CUDA allocator counts too
+#: (tests/kernels/moe/test_nvfp4_moe_prep_rounding.py simulates it).
+ALLOCATION_GRANULE = 512
+
+
+def allocation_bytes(nbytes: int) -> int:
+    """What a block of ``nbytes`` counts as on CUDA: rounded up to 512."""
+    return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+
+
+def largest_block_within(cap: int) -> int:
+    """The largest block size whose rounded size fits ``cap`` bytes; ``cap``
+    itself below 512 bytes (no block that small exists on CUDA)."""
+    if cap < ALLOCATION_GRANULE:
+        return max(1, cap)
+    return cap // ALLOCATION_GRANULE * ALLOCATION_GRANULE
 
 
 def tile_bytes(device: torch.device) -> int:

@@ -23,8 +23,10 @@ import torch
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     ChunkProgress,
+    allocation_bytes,
     check_cap,
     check_contiguous,
+    largest_block_within,
     run_chunks,
     tile_bytes,
 )
@@ -74,11 +76,15 @@ def _bounce_buffer_bytes(
 ) -> int:
     """Bounce-buffer size in bytes for swapping halves of the given sizes.
 
-    The buffer is never larger than ``max_transient_bytes``, the device's tile
-    size, or the largest half (no point allocating more than is moved).
+    The buffer is never larger than ``max_transient_bytes`` (as the CUDA
+    allocator counts it: rounded up to 512 bytes), the device's tile size,
+    or the largest half (no point allocating more than is moved).
     """
     largest = max(nbytes_per_half, default=0)
-    return max(1, min(max_transient_bytes, tile_bytes(device), largest))
+    size = max(1, min(max_transient_bytes, tile_bytes(device), largest))
+    if allocation_bytes(size) > max_transient_bytes:
+        size = largest_block_within(max_transient_bytes)
+    return size
 
 
 def _swap_chunk(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor) -> None:
