@@ -8,7 +8,8 @@ as the kernel does), prepare them and run ``forward`` with
 ``reduce_results=True``: every rank must return the single-process output.
 Tolerance as tests/distributed/test_parallel_moe.py (three BF16 roundings
 of partials instead of one: 0.006). Negative control: both ranks claim rank
-0's experts, so the sum counts those twice and misses the others.
+0's experts (summed by hand: a reducing layer refuses two ranks holding the
+same shard), so the sum counts those twice and misses the others.
 """
 
 import pytest
@@ -20,7 +21,10 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.distributed.launcher import spawn_workers
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -60,9 +64,11 @@ def _worker(rank, x, logits):
                         reduce_results=True)  # fmt: skip
         emap = layer.quant_method.experts.expert_map
         out[gated] = {"y": y, "map": emap.tolist(), "local": layer.local_num_experts}
-        _, wrong = _run(tensors, gated, x, logits, tp_rank=0, tp_size=1, ep_rank=0,
-                        ep_size=2, reduce_results=True)  # fmt: skip
-        out[gated]["wrong"] = wrong
+        # Control: both ranks hold rank 0's experts (the layer refuses that
+        # with reduce_results=True, so the partials are summed here).
+        _, partial = _run(tensors, gated, x, logits, tp_rank=0, tp_size=1,
+                          ep_rank=0, ep_size=2)  # fmt: skip
+        out[gated]["wrong"] = tensor_model_parallel_all_reduce(partial)
     return out
 
 
