@@ -189,8 +189,22 @@ def test_place_at_load_and_reorder_after_prepare_identically(tmp_path):
         layer.quant_method.process_weights_after_loading(layer)
     a, b = params_bytes(placed), params_bytes(reordered)
     assert a.keys() == b.keys()
+    # The [E, 2] global and input scales stay in each layer's load order
+    # (gate first, or up first when placed at load): the same values with
+    # their two columns exchanged. Everything else is the same bytes.
+    per_shard = ("w13_weight_scale_2", "w13_input_scale")
     for n in a:
-        assert torch.equal(a[n], b[n]), n
+        if n in per_shard:
+            p, r = getattr(placed, n), getattr(reordered, n)
+            assert torch.equal(bytes_of(p.flip(-1).contiguous()), bytes_of(r)), n
+        else:
+            assert torch.equal(a[n], b[n]), n
+    # (The writer gives gate and up their own global scales: the control.)
+    assert not torch.equal(placed.w13_weight_scale_2, reordered.w13_weight_scale_2)
+    # And the layers compute the same function, bit for bit.
+    x = torch.randn(5, placed.moe_config.hidden_dim, dtype=torch.bfloat16)
+    logits = torch.randn(5, placed.global_num_experts)
+    assert torch.equal(placed(x, logits), reordered(x, logits))
 
 
 def _write_then(tmp_path, mutate):

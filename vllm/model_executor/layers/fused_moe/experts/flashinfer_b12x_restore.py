@@ -23,6 +23,8 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    ALLOCATION_GRANULE,
+    allocation_bytes,
     moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
@@ -57,8 +59,10 @@ def fold_to(experts, layer, state, prefix: str, target, after) -> None:
         plan = state.plans[key] = (loaded, factor, target.clone())
     loaded, factor, target = plan
     if bool((factor != 1).any()):
-        # The plan's [E, G] float32 tensors count against the cap too.
-        cap = max(4, experts.max_transient_bytes - 4 * factor.numel() * 4 - 256)
+        # The plan's [E, G] float32 tensors (and one comparison's result)
+        # count against the cap too, each as the CUDA allocator rounds it.
+        reserve = 4 * allocation_bytes(factor.numel() * 4) + ALLOCATION_GRANULE
+        cap = max(4, experts.max_transient_bytes - reserve)
         fold_global_scale_into_blockscale_(
             getattr(layer, name), factor.reshape(scale_2.shape),
             max_transient_bytes=cap, progress=state.progress_of(key),
