@@ -44,13 +44,20 @@ def _dead(pid: int) -> bool:
         return True
 
 
+def _pid_lines(buf: bytes) -> list[str]:
+    """The lines ``... <pid>`` in ``buf`` (anything else a child or library
+    prints, e.g. a blank line, is not one of them)."""
+    lines = [line.split() for line in buf.decode(errors="replace").splitlines()]
+    return [" ".join(t) for t in lines if t and t[-1].isdigit()]
+
+
 def _read_lines(proc, count: int) -> list[str]:
-    """The first ``count`` lines the parent's children print. Read from the
-    descriptor itself: a buffered reader may hold both lines after the first
-    readline while ``select`` waits for more."""
+    """The first ``count`` lines ``... <pid>`` the parent's children print.
+    Read from the descriptor itself: a buffered reader may hold both lines
+    after the first readline while ``select`` waits for more."""
     fd, buf = proc.stdout.fileno(), b""
     deadline = time.monotonic() + START_TIMEOUT_S
-    while buf.count(b"\n") < count:
+    while len(_pid_lines(buf.rpartition(b"\n")[0])) < count:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             raise AssertionError(f"children did not start: {buf!r}")
@@ -58,7 +65,7 @@ def _read_lines(proc, count: int) -> list[str]:
         if not chunk:
             raise AssertionError(f"parent exited: {proc.wait()} {buf!r}")
         buf += chunk
-    return buf.decode().splitlines()[:count]
+    return _pid_lines(buf.rpartition(b"\n")[0])[:count]
 
 
 def _kill_parent_and_time_survivors(script, children, sig, tmp_path, watch=()):
