@@ -57,3 +57,20 @@ def test_cuda_preparation_synchronizes_once_per_step(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", counting)
     layer.quant_method.process_weights_after_loading(layer)
     assert len(count) == len(STEPS)
+
+
+def test_w4a16_steps_wait_once_before_they_are_recorded(monkeypatch):
+    # The W4A16 experts record their steps through the same function: each
+    # step waits once, before it is in ``done`` (it did not wait at all when
+    # the W4A16 class kept its own copy of the loop).
+    from tests.kernels.moe.test_nvfp4_w4a16_prep import _tensors, _w4a16_layer
+
+    layer = _w4a16_layer(E, H, I, True, cap=64 * 1024)
+    load_nvfp4_experts(layer, _tensors(E, H, I, True, seed=3))
+    state = get_prep_state(layer)
+    steps = [n for n, _ in layer.quant_method.preparation_steps(layer)][:-1]
+    seen = []
+    monkeypatch.setattr(flashinfer_b12x_moe, "_wait_for_step",
+                        lambda device: seen.append(list(state.done)))  # fmt: skip
+    layer.quant_method.process_weights_after_loading(layer)
+    assert len(steps) > 2 and seen == [steps[:i] for i in range(len(steps))]

@@ -100,6 +100,7 @@ __all__ = [
     "GLOBAL_SCALE_MODES",
     "FlashInferB12xExperts",
     "is_flashinfer_b12x_moe_available",
+    "recorded_prep_step",
 ]
 
 #: How the weights' per-expert global scales reach the kernel (see
@@ -149,6 +150,44 @@ def _wait_for_step(device: torch.device) -> None:
     the stream runs in order before anything queued after them.)"""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def recorded_prep_step(experts, layer, state, steps) -> Callable[[], None]:
+    """The last of ``steps`` as a recorded step, for every b12x experts class
+    (W4A4 and W4A16): runs each step of ``steps`` not yet done, in order,
+    synchronizes the device once after it (``_wait_for_step``), records it,
+    and marks the layer PREPARED after ``finalize``. Validation runs while
+    the layer is still LOADING: a ValueError leaves it loadable and
+    untouched. Holds the layer's lock."""
+
+    def step() -> None:
+        with state.lock:
+            if state.status is PrepStatus.PREPARED:
+                state.check_unchanged(layer)
+                return
+            if state.status is PrepStatus.RESTORING:
+                experts.restore_load_layout(layer)
+            if state.status is PrepStatus.LOADING:
+                state.check_not_torn()
+                check_load_layout(layer, experts.moe_config)
+                name, validate = steps[0]
+                validate()
+                _wait_for_step(layer.w13_weight.device)
+                state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+                state.begin(PrepStatus.PREPARING)
+                state.done.append(name)
+            for name, fn in steps:
+                if name not in state.done:
+                    fn()
+                    _wait_for_step(layer.w13_weight.device)
+                    state.done.append(name)
+            if steps[-1][0] == "finalize":
+                state.status = PrepStatus.PREPARED
+                state.plans = {}
+                state.writes_since_prepared = False
+                state.record_prepared(layer)
+
+    return step
 
 
 def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
@@ -465,40 +504,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         self._fc2_input_scale = self._fc1_input_scale = None
 
     def _recorded(self, layer, state, steps):
-        """The last of ``steps`` as a recorded step: runs every step of
-        ``steps`` not yet done (in order), records each, and marks the layer
-        PREPARED after ``finalize``. Validation runs while the layer is still
-        LOADING: a ValueError leaves it loadable and untouched. Holds the
-        layer's lock."""
-
-        def step() -> None:
-            with state.lock:
-                if state.status is PrepStatus.PREPARED:
-                    state.check_unchanged(layer)
-                    return
-                if state.status is PrepStatus.RESTORING:
-                    self.restore_load_layout(layer)
-                if state.status is PrepStatus.LOADING:
-                    state.check_not_torn()
-                    check_load_layout(layer, self.moe_config)
-                    name, validate = steps[0]
-                    validate()
-                    _wait_for_step(layer.w13_weight.device)
-                    state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
-                    state.begin(PrepStatus.PREPARING)
-                    state.done.append(name)
-                for name, fn in steps:
-                    if name not in state.done:
-                        fn()
-                        _wait_for_step(layer.w13_weight.device)
-                        state.done.append(name)
-                if steps[-1][0] == "finalize":
-                    state.status = PrepStatus.PREPARED
-                    state.plans = {}
-                    state.writes_since_prepared = False
-                    state.record_prepared(layer)
-
-        return step
+        return recorded_prep_step(self, layer, state, steps)
 
     def restore_load_layout(self, layer: torch.nn.Module) -> None:
         """Return the layer, from any state, to the layout ``weight_loader``

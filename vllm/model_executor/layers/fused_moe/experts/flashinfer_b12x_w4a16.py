@@ -45,6 +45,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 )
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     is_flashinfer_b12x_moe_available,
+    recorded_prep_step,
 )
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExperts,
@@ -52,7 +53,6 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
-    check_load_layout,
     get_prep_state,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
@@ -329,37 +329,7 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
             self.expert_map = None
 
     def _recorded(self, layer, state, steps):
-        """The last of ``steps`` as a recorded step: runs every step of
-        ``steps`` not yet done (in order), records each, and marks the layer
-        PREPARED after ``finalize``. Validation runs while the layer is still
-        LOADING: a ValueError leaves it loadable and untouched."""
-
-        def step() -> None:
-            with state.lock:
-                if state.status is PrepStatus.PREPARED:
-                    state.check_unchanged(layer)
-                    return
-                if state.status is PrepStatus.RESTORING:
-                    self.restore_load_layout(layer)
-                if state.status is PrepStatus.LOADING:
-                    state.check_not_torn()
-                    check_load_layout(layer, self.moe_config)
-                    name, validate = steps[0]
-                    validate()
-                    state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
-                    state.begin(PrepStatus.PREPARING)
-                    state.done.append(name)
-                for name, fn in steps:
-                    if name not in state.done:
-                        fn()
-                        state.done.append(name)
-                if steps[-1][0] == "finalize":
-                    state.status = PrepStatus.PREPARED
-                    state.plans = {}
-                    state.writes_since_prepared = False
-                    state.record_prepared(layer)
-
-        return step
+        return recorded_prep_step(self, layer, state, steps)
 
     def restore_load_layout(self, layer: torch.nn.Module) -> None:
         """Return a prepared (or partly prepared) layer to the layout the
