@@ -70,7 +70,6 @@ _SCALE_TILE = W4A16_TILE_N  # bytes of 64 scales
 # int64 masks of the bit steps (signed where bit 63 is set).
 _NIBBLE_MASK = 0x00000000F0F0F0F0
 _EVEN_BYTES = 0x00FF00FF00FF00FF
-_ODD_BYTES = 0xFF00FF00FF00FF00 - (1 << 64)
 _MID_UNIT = 0x00000000FFFF0000
 _LOW_WORD = 0x00000000FFFFFFFF
 
@@ -115,17 +114,20 @@ def _budget(cap: int, device: torch.device, n: int) -> int:
 # --- the rearrangement inside a tile of codes ------------------------------------
 
 
-def _delta_swap(x: torch.Tensor, t: torch.Tensor, shift: int, mask: int) -> None:
-    """Exchange the bits of ``x`` under ``mask`` with those ``shift`` above."""
+def _delta_swap(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor, shift: int,
+                mask: int) -> None:  # fmt: skip
+    """Exchange the bits of ``y`` under ``mask`` with those of ``x``
+    ``shift`` above them (``y`` may be ``x``: a swap inside each word).
+    ``t``: scratch of ``x``'s shape. Six whole-tensor operations."""
     torch.bitwise_right_shift(x, shift, out=t)
-    t.bitwise_xor_(x)
+    t.bitwise_xor_(y)
     t.bitwise_and_(mask)
-    x.bitwise_xor_(t)
+    y.bitwise_xor_(t)
     t.bitwise_left_shift_(shift)
     x.bitwise_xor_(t)
 
 
-def _shuffle_planes(planes: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
+def _shuffle_planes(planes: torch.Tensor, scratch: torch.Tensor,
                     inverse: bool = False) -> None:  # fmt: skip
     """Turn 8 planes of source words into 8 planes of output words, in place
     (``inverse``: back). Every step is an involution, so the inverse runs
@@ -137,48 +139,37 @@ def _shuffle_planes(planes: torch.Tensor, t1: torch.Tensor, t2: torch.Tensor,
     Afterwards plane (tr, wh) (index tr*2 + wh, the same slot) holds the
     output words [word(tr, warp=2wh), word(tr, warp=2wh+1)] of the layout
     (nibbles (h, c, ab) per int32 word), so that the planes, in order, are
-    the 8 words of a 64-byte output block. ``t1``, ``t2``: int64 scratch of
-    >= 2M.
+    the 8 words of a 64-byte output block. ``scratch``: int64, >= 4M.
+
+    Each step is one delta swap over half of the planes at a time (36 torch
+    calls in all, whatever M): the calls, not the bytes, dominate a small
+    chunk, so they are made as large as the scratch allows.
     """
     m = planes.shape[1]
-    p = planes.view(2, 2, 2, m)  # [wl, c, wh, M]
-    s1, s2 = t1[: 2 * m].view(2, m), t2[: 2 * m].view(2, m)
-    pairs = planes.view(4, 2, m)
+    p = planes.view(2, 2, 2 * m)  # [wl, c, (wh, M)]
+    t = scratch[: 4 * m].view(2, 2 * m)
+    halves = planes.view(2, 4 * m)
 
     def nibbles() -> None:
         # In each word (ab=0, h=1) <-> (ab=1, h=0): byte h*4 + tr then holds
         # the codes ab = 0, 1 of k = tr*2 + h.
-        for x in pairs:
-            _delta_swap(x, s1, 28, _NIBBLE_MASK)
+        for x in halves:
+            _delta_swap(x, x, t.view(-1), 28, _NIBBLE_MASK)
 
     def interleave() -> None:
-        # c = 0 (a) and c = 1 (b) by bytes: a's even bytes with b's even ones
-        # (tr = 0, 2), a's odd bytes with b's odd ones (tr = 1, 3). The same
-        # formulas undo it.
-        for wl in range(2):
-            a, b = p[wl, 0], p[wl, 1]  # [2 (wh), M]
-            torch.bitwise_and(b, _EVEN_BYTES, out=s1)
-            s1.bitwise_left_shift_(8)
-            torch.bitwise_right_shift(a, 8, out=s2)
-            s2.bitwise_and_(_EVEN_BYTES)
-            a.bitwise_and_(_EVEN_BYTES).bitwise_or_(s1)
-            b.bitwise_and_(_ODD_BYTES).bitwise_or_(s2)
+        # c = 0 (a) and c = 1 (b) by bytes: a's odd bytes <-> b's even ones,
+        # so a holds the even bytes of both (tr = 0, 2), b the odd ones.
+        _delta_swap(p[:, 0], p[:, 1], t, 8, _EVEN_BYTES)
 
     def units() -> None:
         # Middle 16-bit units swapped: each int32 half is one output word.
-        for x in pairs:
-            _delta_swap(x, s1, 16, _MID_UNIT)
+        for x in halves:
+            _delta_swap(x, x, t.view(-1), 16, _MID_UNIT)
 
     def warps() -> None:
-        # Words of warps 2wh and 2wh+1 paired: low halves together, high ones.
-        for c in range(2):
-            lo, hi = p[0, c], p[1, c]  # [2 (wh), M]
-            torch.bitwise_right_shift(lo, 32, out=s1)
-            s1.bitwise_xor_(hi)
-            s1.bitwise_and_(_LOW_WORD)
-            hi.bitwise_xor_(s1)
-            s1.bitwise_left_shift_(32)
-            lo.bitwise_xor_(s1)
+        # Words of warps 2wh and 2wh+1 paired: low halves together, high ones
+        # (wl = 1's low half <-> wl = 0's high half).
+        _delta_swap(p[0], p[1], t, 32, _LOW_WORD)
 
     steps = [nibbles, interleave, units, warps]
     for step in reversed(steps) if inverse else steps:
@@ -200,8 +191,7 @@ class _Planes:
         dev = rows.device
         self.rows, self.kt = rows, kt
         self.planes = torch.empty(units * 64 * kt, dtype=torch.int64, device=dev)
-        self.t1 = torch.empty(2 * units * 8 * kt, dtype=torch.int64, device=dev)
-        self.t2 = torch.empty_like(self.t1)
+        self.scratch = torch.empty(units * 32 * kt, dtype=torch.int64, device=dev)
         self.idx = torch.empty(64 * units, dtype=torch.int64, device=dev)
         # row warp*16 + c*8 + col of a strip, by (plane (wl, c, wh), col)
         off = torch.arange(64, dtype=torch.int64, device=dev).view(2, 2, 2, 8)
@@ -226,7 +216,7 @@ class _Planes:
         for piece in pieces:  # row copies, runs of kt words
             dst[:, :, :, u0 : u0 + piece.shape[0]].copy_(_as_planes(piece))
             u0 += piece.shape[0]
-        _shuffle_planes(view, self.t1, self.t2)
+        _shuffle_planes(view, self.scratch)
         return view
 
     def drain(self, bases: torch.Tensor, load: Callable[[torch.Tensor], None]):
@@ -236,7 +226,7 @@ class _Planes:
         u = bases.numel()
         view = self.view(u)
         load(view)
-        _shuffle_planes(view, self.t1, self.t2, inverse=True)
+        _shuffle_planes(view, self.scratch, inverse=True)
         ix = self.idx[: 64 * u].view(8, u, 8)
         torch.add(bases.view(1, u, 1), self.off, out=ix)
         self.rows.index_copy_(0, ix.view(-1), view.view(-1, self.kt))
