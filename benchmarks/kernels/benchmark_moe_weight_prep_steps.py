@@ -22,8 +22,8 @@ through a buffer that preceded them.
 W4A16 (``--w4a16``, FlashInfer's packed b12x layout): each step of the
 in-place W4A16 preparation (codes and scales of w13, then of w2; the [w3; w1]
 w13 rotated on the way) against the memcpy of the bytes it rewrites, one
-thread, quiet; checked byte for byte against the reference
-(``nvfp4_utils.w4a16_pack_*``) before it is timed.
+thread, quiet and with --busy-cores; checked byte for byte against the
+reference (``nvfp4_utils.w4a16_pack_*``) before it is timed.
 
 Medians of --repeats, each on a fresh layer. First on the machine as it is,
 then with --busy-cores processes each copying memory on one core (another
@@ -268,8 +268,19 @@ def _check_w4a16(preset, tensors) -> None:
                 raise SystemExit(f"W4A16 {prefix} differs from the reference")
 
 
-def measure_w4a16(preset, tensors, repeats: int) -> dict:
-    """Per W4A16 step: median time and the memcpy of the bytes it rewrites."""
+def _w4a16_bytes(tensors) -> dict[str, int]:
+    nbytes = {s: 0 for s in [*W4A16_STEPS, "total"]}
+    for prefix in ("w13", "w2"):
+        nbytes[prefix] = sum(tensors[f"{prefix}_{k}"].numel()
+                             for k in ("weight", "weight_scale"))  # fmt: skip
+    nbytes["total"] = nbytes["w13"] + nbytes["w2"]
+    return nbytes
+
+
+def measure_w4a16(preset, tensors, repeats: int,
+                  floors: dict[int, float] | None = None) -> dict:  # fmt: skip
+    """Per W4A16 step: median time and the memcpy of the bytes it rewrites
+    (``floors``: those memcpy times by byte count; measured here if None)."""
     times: dict[str, list[float]] = {s: [] for s in [*W4A16_STEPS, "total"]}
     device = torch.device("cpu")
     for _ in range(repeats):
@@ -285,12 +296,9 @@ def measure_w4a16(preset, tensors, repeats: int) -> dict:
                 times[name].append(dt)
         times["total"].append(total)
         del layer, steps
-    nbytes = {s: 0 for s in times}
-    for prefix in ("w13", "w2"):
-        nbytes[prefix] = sum(tensors[f"{prefix}_{k}"].numel()
-                             for k in ("weight", "weight_scale"))  # fmt: skip
-    nbytes["total"] = nbytes["w13"] + nbytes["w2"]
-    floors = _time_memcpy(set(nbytes.values()), repeats)
+    nbytes = _w4a16_bytes(tensors)
+    if floors is None:
+        floors = _time_memcpy(set(nbytes.values()), repeats)
     return {
         step: {
             "time_s": _median(v),
@@ -301,9 +309,16 @@ def measure_w4a16(preset, tensors, repeats: int) -> dict:
     }
 
 
-def format_w4a16(result: dict) -> str:
+def _condition(busy: int, threads: int) -> str:
+    if busy == 0:
+        return "quiet"
+    return f"{busy} busy process(es) on {threads} thread(s) each"
+
+
+def format_w4a16(result: dict, condition: str = "quiet") -> str:
     lines = [
-        "W4A16 (FlashInfer's packed layout, in place; one thread, quiet)",
+        f"W4A16 (FlashInfer's packed layout, in place; one thread, {condition}; "
+        "memcpy: quiet)",
         f"{'step':<10}{'MiB':>7}{'memcpy':>10}{'time':>10}{'x memcpy':>10}",
     ]
     for step, rec in result.items():
@@ -389,13 +404,25 @@ def main() -> int:
     w4a16 = None
     if args.w4a16 != "no":
         _check_w4a16(preset, tensors)
-        with moe_prep_threads(torch.device("cpu")):
-            w4a16 = measure_w4a16(preset, tensors, args.repeats)
-        print(format_w4a16(w4a16))
+        w4a16 = {}
+        # the floors once, quiet, as for the W4A4 steps below
+        w4a16_floors = _time_memcpy(set(_w4a16_bytes(tensors).values()),
+                                    args.repeats)  # fmt: skip
+        for busy in sorted({0, args.busy_cores}):
+            with busy_cores(busy, args.busy_threads), moe_prep_threads(
+                    torch.device("cpu")):  # fmt: skip
+                w4a16[str(busy)] = measure_w4a16(preset, tensors, args.repeats,
+                                                 w4a16_floors)  # fmt: skip
+            print(format_w4a16(w4a16[str(busy)], _condition(busy, args.busy_threads)))
+        if args.busy_cores:
+            quiet = w4a16["0"]["total"]["time_s"]
+            busy_s = w4a16[str(args.busy_cores)]["total"]["time_s"]
+            print(f" W4A16: busy / quiet = {busy_s / quiet:.2f}x\n")
     if args.w4a16 == "only":
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"w4a16": w4a16}, f, indent=1)
+                json.dump({"busy_cores": args.busy_cores, "w4a16": w4a16}, f,
+                          indent=1)  # fmt: skip
         return 0
     _check(preset, tensors)
     prep_threads = os.environ.get("VLLM_MOE_PREP_CPU_THREADS", "1 (default)")
@@ -414,11 +441,7 @@ def main() -> int:
     for busy in sorted({0, args.busy_cores}):
         with busy_cores(busy, args.busy_threads):
             conditions[busy] = measure(preset, tensors, args.repeats, floors)
-        label = (
-            "quiet"
-            if busy == 0
-            else (f"{busy} busy process(es) on {args.busy_threads} thread(s) each")
-        )
+        label = _condition(busy, args.busy_threads)
         print("\n" + format_condition(label, conditions[busy]))
     alternatives = measure_alternatives(tensors, args.repeats)
     a = alternatives

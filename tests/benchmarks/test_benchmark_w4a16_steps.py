@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The W4A16 part of benchmarks/kernels/benchmark_moe_weight_prep_steps.py
+runs quiet and with busy cores, each step against one quiet memcpy floor,
+and refuses a preparation that differs from the reference before timing."""
+
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm.benchmarks.moe_model_presets import get_preset
+
+SCRIPT = (Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
+          / "benchmark_moe_weight_prep_steps.py")  # fmt: skip
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("_bench_w4a16_steps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    small = dataclasses.replace(
+        get_preset("qwen3.6-35b-a3b"), num_experts=4, hidden_size=256,
+        intermediate_size=128,
+    )  # fmt: skip
+    module.get_preset = lambda name: small
+    return module
+
+
+def _run(bench, monkeypatch, capsys, *args):
+    monkeypatch.setattr(sys, "argv", ["steps", "--model", "qwen3.6-35b-a3b",
+                                      "--repeats", "1", *args])  # fmt: skip
+    assert bench.main() == 0
+    return capsys.readouterr().out
+
+
+def test_w4a16_quiet_and_busy_against_one_floor(bench, monkeypatch, capsys, tmp_path):
+    out_json = tmp_path / "w4a16.json"
+    out = _run(bench, monkeypatch, capsys, "--w4a16", "only", "--busy-cores", "1",
+               "--json", str(out_json))  # fmt: skip
+    assert "one thread, quiet;" in out
+    assert "one thread, 1 busy process(es) on 1 thread(s) each;" in out
+    assert "W4A16: busy / quiet = " in out
+    data = json.loads(out_json.read_text())
+    assert data["busy_cores"] == 1 and set(data["w4a16"]) == {"0", "1"}
+    quiet, busy = data["w4a16"]["0"], data["w4a16"]["1"]
+    small = bench.get_preset("")
+    w13 = small.num_experts * 2 * small.intermediate_size * small.hidden_size
+    assert quiet["w13"]["bytes"] == w13 // 2 + w13 // 16  # codes + block scales
+    assert quiet["total"]["bytes"] == quiet["w13"]["bytes"] + quiet["w2"]["bytes"]
+    for step in ("w13", "w2", "total"):
+        assert quiet[step]["time_s"] > 0 and busy[step]["time_s"] > 0
+        # one floor, measured quiet, for both conditions
+        assert quiet[step]["memcpy_s"] == busy[step]["memcpy_s"] > 0
+
+
+def test_quiet_only_with_no_busy_cores(bench, monkeypatch, capsys):
+    out = _run(bench, monkeypatch, capsys, "--w4a16", "only", "--busy-cores", "0")
+    assert "one thread, quiet;" in out and "busy process" not in out
+
+
+def test_a_wrong_preparation_is_refused_before_timing(bench, monkeypatch, capsys):
+    from vllm.model_executor.layers.quantization.utils import nvfp4_utils
+
+    real = nvfp4_utils.w4a16_pack_weight
+
+    def rotated_wrong(weight, rotate=0):
+        return real(weight, (rotate + 64) % weight.shape[1])
+
+    monkeypatch.setattr(nvfp4_utils, "w4a16_pack_weight", rotated_wrong)
+    monkeypatch.setattr(bench, "measure_w4a16", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(sys, "argv", ["steps", "--w4a16", "only", "--repeats", "1"])
+    with pytest.raises(SystemExit, match="W4A16 w13 differs from the reference"):
+        bench.main()
