@@ -580,3 +580,45 @@ def test_load_layer_into_a_prepared_layer_equals_a_fresh_layer(tmp_path, fmt):
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(1)).bfloat16()
     logits = torch.randn(8, E, generator=torch.Generator().manual_seed(2))
     assert torch.equal(layer(x, logits), fresh(x, logits))
+
+
+# --- a load that fails between two files ---------------------------------------------
+
+
+@pytest.mark.parametrize("prepared", [False, True], ids=["fresh", "reload"])
+def test_unreadable_second_file_leaves_the_layer_torn_not_mixed(tmp_path, prepared):
+    """load_layer holds the layer for the whole load: when a later file
+    cannot be read after earlier tensors were written, the layer is torn
+    (preparation and forward refused) until a complete reload; that reload
+    gives the bytes of a clean load."""
+    write_ckpt(tmp_path, max_shard_bytes=64 << 10)
+    ckpt = NVFP4MoECheckpoint(tmp_path)
+    names = [n for n, *_ in ckpt.iter_layer_tensors(0, range(E))]
+    first, last = ckpt.weight_map[names[0]], ckpt.weight_map[names[-1]]
+    assert first != last  # the error comes after the first file's tensors
+    clean = make_layer()
+    ckpt.load_layer(clean, 0)
+    clean.quant_method.process_weights_after_loading(clean)
+
+    layer = make_layer()
+    if prepared:  # a reload of other weights into a prepared layer
+        ckpt.load_layer(layer, 1)
+        layer.quant_method.process_weights_after_loading(layer)
+    good = (tmp_path / last).read_bytes()
+    (tmp_path / last).write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match=last):
+        NVFP4MoECheckpoint(tmp_path).load_layer(layer, 0)
+    with pytest.raises(RuntimeError, match="torn"):
+        layer.quant_method.process_weights_after_loading(layer)
+    x = torch.randn(3, H, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="torn|not prepared"):
+        layer(x, torch.randn(3, E))
+
+    (tmp_path / last).write_bytes(good)
+    NVFP4MoECheckpoint(tmp_path).load_layer(layer, 0)
+    layer.quant_method.process_weights_after_loading(layer)
+    got, want = params_bytes(layer), params_bytes(clean)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    assert torch.equal(layer(x, torch.ones(3, E)), clean(x, torch.ones(3, E)))

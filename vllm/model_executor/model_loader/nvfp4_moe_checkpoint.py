@@ -489,14 +489,18 @@ class NVFP4MoECheckpoint:
                     "down_proj": "w2"}  # fmt: skip
         first = layer.ep_rank * layer.local_num_experts
         owned = range(first, first + layer.local_num_experts)
-        for name, e, proj, suffix, tensor in self.iter_layer_tensors(
-            layer_idx, owned, progress
-        ):
-            shard = shard_of[proj]
-            prefix = "w2" if shard == "w2" else "w13"
-            param = getattr(layer, f"{prefix}_{suffix}")
-            try:
-                layer.weight_loader(param, tensor, name, shard, e)
-            except ValueError as err:
-                file = self.model_dir / self.weight_map[name]
-                raise ValueError(f"{file}: {err}") from None
+        # One held load: no forward or preparation sees half of it, and an
+        # error between two tensors (an unreadable second file, Ctrl-C)
+        # after anything was written leaves the layer torn, not a mix.
+        with layer.loading_weights():
+            for name, e, proj, suffix, tensor in self.iter_layer_tensors(
+                layer_idx, owned, progress
+            ):
+                shard = shard_of[proj]
+                prefix = "w2" if shard == "w2" else "w13"
+                param = getattr(layer, f"{prefix}_{suffix}")
+                try:
+                    layer.weight_loader(param, tensor, name, shard, e)
+                except ValueError as err:
+                    file = self.model_dir / self.weight_map[name]
+                    raise ValueError(f"{file}: {err}") from None
