@@ -248,6 +248,14 @@ class _Plan:
         self.chunks[idx]()
 
 
+def _run(t: torch.Tensor, make_plan: Callable[[], _Plan],
+         progress: ChunkProgress | None) -> None:  # fmt: skip
+    """Build a call's plan (all its buffers) and run its chunks."""
+    with torch.no_grad():
+        plan = make_plan()
+        run_chunks(len(plan), plan.run, progress, t.device)
+
+
 def _tile_source(nt: int, kt: int, rs: int, inverse: bool) -> torch.Tensor:
     """int64 [nt*kt]: for each final tile position, where that tile is now.
 
@@ -427,9 +435,8 @@ def repack_w4a16_weight_(
     ``progress`` resumes an interrupted call (same tensor, rotate and cap).
     """
     _check("weight", weight, torch.uint8)
-    with torch.no_grad():
-        plan = _weight_plan(weight, rotate, max_transient_bytes, inverse=False)
-        run_chunks(len(plan), plan.run, progress, weight.device)
+    _run(weight, lambda: _weight_plan(weight, rotate, max_transient_bytes, False),
+         progress)  # fmt: skip
     e, n, half_k = weight.shape
     return weight.view(torch.int32).view(e, 2 * half_k // 16, n // 64 * 128)
 
@@ -445,9 +452,8 @@ def unrepack_w4a16_weight_(
     [E, N, K/2] tensor whose storage holds the W4A16 codes; returns it with
     the loaded bytes back. Same memory and chunks, run backwards."""
     _check("weight", weight, torch.uint8)
-    with torch.no_grad():
-        plan = _weight_plan(weight, rotate, max_transient_bytes, inverse=True)
-        run_chunks(len(plan), plan.run, progress, weight.device)
+    _run(weight, lambda: _weight_plan(weight, rotate, max_transient_bytes, True),
+         progress)  # fmt: skip
     return weight
 
 
@@ -530,9 +536,8 @@ def pack_w4a16_blockscale_(
     :func:`repack_w4a16_weight_`.
     """
     _check("scale", scale, torch.float8_e4m3fn)
-    with torch.no_grad():
-        plan = _scale_plan(scale, exponent, rotate, max_transient_bytes, False)
-        run_chunks(len(plan), plan.run, progress, scale.device)
+    _run(scale, lambda: _scale_plan(scale, exponent, rotate, max_transient_bytes,
+                                    False), progress)  # fmt: skip
     e, n, c = scale.shape
     return scale.view(e, c, n)
 
@@ -549,7 +554,6 @@ def unpack_w4a16_blockscale_(
     the packing flushed comes back 0): ``scale`` is the float8_e4m3fn
     [E, N, K/16] tensor whose storage holds the packed scales; returns it."""
     _check("scale", scale, torch.float8_e4m3fn)
-    with torch.no_grad():
-        plan = _scale_plan(scale, exponent, rotate, max_transient_bytes, True)
-        run_chunks(len(plan), plan.run, progress, scale.device)
+    _run(scale, lambda: _scale_plan(scale, exponent, rotate, max_transient_bytes,
+                                    True), progress)  # fmt: skip
     return scale
