@@ -165,6 +165,52 @@ def test_a_failing_rank_ends_the_job_with_its_error():
     assert multiprocessing.active_children() == []
 
 
+def _finish_on_rank_0(rank):
+    if rank == 1:
+        raise ValueError("checkpoint shard of rank 1 is broken")
+    return "done"  # then waits in the launcher's barrier for rank 1
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_a_rank_that_finished_does_not_hide_a_failing_one():
+    import multiprocessing
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
+        spawn_workers(_finish_on_rank_0, 2, timeout_s=120, deadline_s=120)
+    assert time.monotonic() - start < 60
+    assert multiprocessing.active_children() == []
+
+
+class _PickledAt:
+    """A result that records when it is pickled: when its rank reports."""
+
+    def __getstate__(self):
+        import time
+
+        return {"at": time.time()}
+
+
+def _one_slow_rank(rank):
+    import time
+
+    if rank == 1:
+        time.sleep(1.5)
+        return time.time()
+    return _PickledAt()
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_a_rank_reports_and_tears_down_only_after_every_rank_finished():
+    # A rank tearing its groups down while a peer still finishes the last
+    # collective made that peer fail ("Connection closed by peer", once in a
+    # dozen runs of test_ranks_that_disagree_are_refused_on_every_rank).
+    fast, slow_returned_at = spawn_workers(_one_slow_rank, 2, timeout_s=120,
+                                           deadline_s=120)  # fmt: skip
+    assert fast.at >= slow_returned_at
+
+
 # --- without processes: ownership on every rank, the reader with EP ---------
 
 

@@ -62,6 +62,12 @@ def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args
         )  # fmt: skip
         ps.initialize_model_parallel(tp_size)
         value = fn(rank, *args)
+        # Every rank done before any tears its groups down: a peer may still
+        # be finishing the last collective (gloo's connect handshake of a
+        # group made last), and would see this rank's sockets close under it
+        # ("Connection closed by peer"). A rank that failed instead is
+        # reported, and the parent then ends the ranks waiting here.
+        ps.get_world_group().barrier()
         conn.send_bytes(pickle.dumps(("ok", value)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         message = f"{type(e).__name__}: {e}".splitlines()[0]
