@@ -118,7 +118,10 @@ def test_busy_processes_die_with_their_parent(tmp_path, sig):
 
 
 def _report_and_wait(rank, hold_the_gil):
-    print("worker", rank, os.getpid(), flush=True)
+    # One write of a whole line (atomic on a pipe): two workers share the
+    # parent's stdout, and print() writes its pieces separately, which
+    # interleaved them once ("workerworker  10  2807328072").
+    os.write(1, f"worker {rank} {os.getpid()}\n".encode())
     if hold_the_gil:
         # One C call that never releases the GIL: no Python thread of this
         # process runs again, only the kernel can end it.

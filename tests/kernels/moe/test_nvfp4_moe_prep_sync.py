@@ -14,7 +14,7 @@ from tests.kernels.moe.utils import (
     make_nvfp4_layer,
     quantize_experts_modelopt,
 )
-from vllm.model_executor.layers.fused_moe.experts import flashinfer_b12x_moe
+from vllm.model_executor.layers.fused_moe import weight_prep_state
 from vllm.model_executor.layers.fused_moe.weight_prep_state import get_prep_state
 
 E, H, I, TOPK = 4, 256, 128, 2  # noqa: E741
@@ -38,7 +38,7 @@ def test_each_step_waits_once_before_it_is_recorded(monkeypatch):
     def wait(device):
         seen.append((device, list(state.done)))
 
-    monkeypatch.setattr(flashinfer_b12x_moe, "_wait_for_step", wait)
+    monkeypatch.setattr(weight_prep_state, "wait_for_step", wait)
     layer.quant_method.process_weights_after_loading(layer)
     # One wait per step, each before its step is in ``done``.
     assert [done for _, done in seen] == [STEPS[:i] for i in range(len(STEPS))]
@@ -70,7 +70,33 @@ def test_w4a16_steps_wait_once_before_they_are_recorded(monkeypatch):
     state = get_prep_state(layer)
     steps = [n for n, _ in layer.quant_method.preparation_steps(layer)][:-1]
     seen = []
-    monkeypatch.setattr(flashinfer_b12x_moe, "_wait_for_step",
+    monkeypatch.setattr(weight_prep_state, "wait_for_step",
                         lambda device: seen.append(list(state.done)))  # fmt: skip
     layer.quant_method.process_weights_after_loading(layer)
     assert len(steps) > 2 and seen == [steps[:i] for i in range(len(steps))]
+
+
+def _restore_waits(layer, monkeypatch):
+    layer.quant_method.process_weights_after_loading(layer)
+    state = get_prep_state(layer)
+    seen = []
+    monkeypatch.setattr(weight_prep_state, "wait_for_step",
+                        lambda device: seen.append(list(state.done)))  # fmt: skip
+    layer.quant_method.restore_load_layout(layer)
+    return seen
+
+
+def test_restore_steps_wait_once_before_they_are_recorded(monkeypatch):
+    # Restore steps are recorded the same way (they did not wait before).
+    seen = _restore_waits(_loaded_layer("cpu"), monkeypatch)
+    steps = ["unswizzle.w13_weight_scale", "unswizzle.w2_weight_scale", "unreorder"]
+    assert seen == [steps[:i] for i in range(len(steps))]
+
+
+def test_w4a16_restore_steps_wait_once_before_they_are_recorded(monkeypatch):
+    from tests.kernels.moe.test_nvfp4_w4a16_prep import _tensors, _w4a16_layer
+
+    layer = _w4a16_layer(E, H, I, True, cap=64 * 1024)
+    load_nvfp4_experts(layer, _tensors(E, H, I, True, seed=3))
+    seen = _restore_waits(layer, monkeypatch)
+    assert seen == [[], ["unpack.w13"]]

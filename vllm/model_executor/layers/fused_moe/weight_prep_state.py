@@ -59,6 +59,7 @@ __all__ = [
     "nvfp4_moe_param_specs",
     "reload_slots",
     "state_dict_problem",
+    "wait_for_step",
     "weight_checksum",
 ]
 
@@ -69,6 +70,20 @@ REQUIRED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
 # 2^16 - 15, the largest prime below 2^16: position weights of the checksum.
 _CHECKSUM_MOD = 65521
 _CHECKSUM_CHUNK = 1 << 16
+
+
+def wait_for_step(device: torch.device) -> None:
+    """Wait, once at the end of a step, until the device has finished it.
+
+    On CUDA a chunk's copies are only queued when its progress is recorded;
+    an asynchronous error (or a failure of the device) would surface at some
+    later call. Synchronizing here, before the step is recorded done, means
+    a step recorded done has run to the end, and an error is raised by the
+    step it belongs to. Once per step, not per chunk: chunks stay queued
+    back to back. (An interrupted step resumes from recorded chunks, which
+    the stream runs in order before anything queued after them.)"""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class PrepStatus(enum.Enum):
@@ -190,6 +205,18 @@ class MoEWeightPrepState:
         self.done = []
         self.progress = {}
         self.plans = {}
+
+    def mark_done(self, step: str, device: torch.device,
+                  begin: PrepStatus | None = None) -> None:  # fmt: skip
+        """Record ``step`` done, once the device has finished it
+        (:func:`wait_for_step`): preparation and restore steps alike.
+        ``begin``: enter that status (a new list of steps) after the wait
+        and before the record, so a device error raised by the wait leaves
+        the status as it was."""
+        wait_for_step(device)
+        if begin is not None:
+            self.begin(begin)
+        self.done.append(step)
 
     def progress_of(self, step: str) -> ChunkProgress:
         return self.progress.setdefault(step, ChunkProgress())

@@ -138,24 +138,10 @@ def is_flashinfer_b12x_moe_available() -> Support:
     return _flashinfer_b12x_support()
 
 
-def _wait_for_step(device: torch.device) -> None:
-    """Wait, once at the end of a step, until the device has finished it.
-
-    On CUDA a chunk's copies are only queued when its progress is recorded;
-    an asynchronous error (or a failure of the device) would surface at some
-    later call. Synchronizing here, before the step is recorded done, means
-    a step recorded done has run to the end, and an error is raised by the
-    step it belongs to. Once per step, not per chunk: chunks stay queued
-    back to back. (An interrupted step resumes from recorded chunks, which
-    the stream runs in order before anything queued after them.)"""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def recorded_prep_step(experts, layer, state, steps) -> Callable[[], None]:
     """The last of ``steps`` as a recorded step, for every b12x experts class
     (W4A4 and W4A16): runs each step of ``steps`` not yet done, in order,
-    synchronizes the device once after it (``_wait_for_step``), records it,
+    records it once the device has finished it (``state.mark_done``),
     and marks the layer PREPARED after ``finalize``. Validation runs while
     the layer is still LOADING: a ValueError leaves it loadable and
     untouched. Holds the layer's lock."""
@@ -172,15 +158,13 @@ def recorded_prep_step(experts, layer, state, steps) -> Callable[[], None]:
                 check_load_layout(layer, experts.moe_config)
                 name, validate = steps[0]
                 validate()
-                _wait_for_step(layer.w13_weight.device)
                 state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
-                state.begin(PrepStatus.PREPARING)
-                state.done.append(name)
+                state.mark_done(name, layer.w13_weight.device,
+                                begin=PrepStatus.PREPARING)  # fmt: skip
             for name, fn in steps:
                 if name not in state.done:
                     fn()
-                    _wait_for_step(layer.w13_weight.device)
-                    state.done.append(name)
+                    state.mark_done(name, layer.w13_weight.device)
             if steps[-1][0] == "finalize":
                 state.status = PrepStatus.PREPARED
                 state.plans = {}

@@ -103,7 +103,7 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
                 progress=state.progress_of(step),
             )  # fmt: skip
             replace_parameter(layer, name, linear)
-            state.done.append(step)
+            state.mark_done(step, layer.w13_weight.device)
         if (
             experts.moe_config.is_act_and_mul
             and "unreorder" not in state.done
@@ -116,7 +116,7 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
                 max_transient_bytes=cap, progress=state.progress_of("unreorder"),
             )  # fmt: skip
             layer.w13_loaded_as_w3w1 = bool(state.load_w3w1)
-            state.done.append("unreorder")
+            state.mark_done("unreorder", layer.w13_weight.device)
         for name_2, loaded in state.global_scales.items():
             param = getattr(layer, name_2)
             param.copy_(loaded.reshape(param.shape))

@@ -366,7 +366,7 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
                     rotate=rotate, max_transient_bytes=cap,
                     progress=state.progress_of(f"unscales.{prefix}"),
                 )  # fmt: skip
-                state.done.append(step)
+                state.mark_done(step, layer.w13_weight.device)
         self.packed_weights = None
         state.begin(PrepStatus.LOADING)
 
