@@ -100,3 +100,36 @@ def test_w4a16_restore_steps_wait_once_before_they_are_recorded(monkeypatch):
     load_nvfp4_experts(layer, _tensors(E, H, I, True, seed=3))
     seen = _restore_waits(layer, monkeypatch)
     assert seen == [[], ["unpack.w13"]]
+
+
+class _DeviceError(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("failing", [0, 2], ids=["validate", "reorder"])
+def test_a_failed_wait_records_nothing_and_a_retry_completes(monkeypatch, failing):
+    # A device error raised by a step's wait: that step is not recorded (the
+    # validation's leaves the layer LOADING, as a ValueError would), and a
+    # second call completes the preparation with the bytes of a clean one.
+    clean = _loaded_layer("cpu")
+    clean.quant_method.process_weights_after_loading(clean)
+    layer = _loaded_layer("cpu")
+    state = get_prep_state(layer)
+    calls = []
+
+    def wait(device):
+        calls.append(list(state.done))
+        if len(calls) == failing + 1:
+            raise _DeviceError("the device failed")
+
+    monkeypatch.setattr(weight_prep_state, "wait_for_step", wait)
+    with pytest.raises(_DeviceError):
+        layer.quant_method.process_weights_after_loading(layer)
+    assert state.done == STEPS[:failing]
+    if failing == 0:
+        assert state.status is weight_prep_state.PrepStatus.LOADING
+    layer.quant_method.process_weights_after_loading(layer)
+    assert state.status is weight_prep_state.PrepStatus.PREPARED
+    for name, p in clean.named_parameters():
+        assert torch.equal(getattr(layer, name).view(torch.uint8),
+                           p.view(torch.uint8)), name  # fmt: skip

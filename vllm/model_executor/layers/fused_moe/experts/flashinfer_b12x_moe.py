@@ -147,6 +147,9 @@ def recorded_prep_step(experts, layer, state, steps) -> Callable[[], None]:
     untouched. Holds the layer's lock."""
 
     def step() -> None:
+        # Read once: no torch call (a tensor attribute is one) between a
+        # step's last write and its record, where an interrupt could land.
+        device = layer.w13_weight.device
         with state.lock:
             if state.status is PrepStatus.PREPARED:
                 state.check_unchanged(layer)
@@ -159,12 +162,11 @@ def recorded_prep_step(experts, layer, state, steps) -> Callable[[], None]:
                 name, validate = steps[0]
                 validate()
                 state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
-                state.mark_done(name, layer.w13_weight.device,
-                                begin=PrepStatus.PREPARING)  # fmt: skip
+                state.mark_done(name, device, begin=PrepStatus.PREPARING)
             for name, fn in steps:
                 if name not in state.done:
                     fn()
-                    state.mark_done(name, layer.w13_weight.device)
+                    state.mark_done(name, device)
             if steps[-1][0] == "finalize":
                 state.status = PrepStatus.PREPARED
                 state.plans = {}

@@ -91,7 +91,10 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
         state.undo = undo
     experts._drop_prepared()
     cap = experts.max_transient_bytes
-    with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
+    # Read once: nothing (not even a tensor attribute, a torch call that an
+    # interrupt may hit) stands between a step's last write and its record.
+    device = layer.w13_weight.device
+    with torch.no_grad(), moe_prep_threads(device):
         for prefix in ("w13", "w2"):
             name = f"{prefix}_weight_scale"
             step = f"unswizzle.{name}"
@@ -103,7 +106,7 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
                 progress=state.progress_of(step),
             )  # fmt: skip
             replace_parameter(layer, name, linear)
-            state.mark_done(step, layer.w13_weight.device)
+            state.mark_done(step, device)
         if (
             experts.moe_config.is_act_and_mul
             and "unreorder" not in state.done
@@ -116,7 +119,7 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
                 max_transient_bytes=cap, progress=state.progress_of("unreorder"),
             )  # fmt: skip
             layer.w13_loaded_as_w3w1 = bool(state.load_w3w1)
-            state.mark_done("unreorder", layer.w13_weight.device)
+            state.mark_done("unreorder", device)
         for name_2, loaded in state.global_scales.items():
             param = getattr(layer, name_2)
             param.copy_(loaded.reshape(param.shape))

@@ -350,7 +350,8 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
             state.begin(PrepStatus.RESTORING)
         cap = self.max_transient_bytes
         v = state.values["w4a16"]
-        with torch.no_grad(), moe_prep_threads(layer.w13_weight.device):
+        device = layer.w13_weight.device  # no torch call before a record
+        with torch.no_grad(), moe_prep_threads(device):
             for prefix in ("w13", "w2"):
                 step = f"unpack.{prefix}"
                 if step in state.done:
@@ -366,7 +367,7 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
                     rotate=rotate, max_transient_bytes=cap,
                     progress=state.progress_of(f"unscales.{prefix}"),
                 )  # fmt: skip
-                state.mark_done(step, layer.w13_weight.device)
+                state.mark_done(step, device)
         self.packed_weights = None
         state.begin(PrepStatus.LOADING)
 
