@@ -183,32 +183,76 @@ def test_a_rank_that_finished_does_not_hide_a_failing_one():
     assert multiprocessing.active_children() == []
 
 
-class _PickledAt:
-    """A result that records when it is pickled: when its rank reports."""
-
-    def __getstate__(self):
-        import time
-
-        return {"at": time.time()}
-
-
-def _one_slow_rank(rank):
+def _record_teardown(rank, out_dir):
     import time
+    from pathlib import Path
 
+    from vllm.distributed import parallel_state as ps
+
+    real = ps.destroy_distributed_environment
+
+    def recorded():
+        Path(out_dir, f"teardown{rank}").write_text(repr(time.time()))
+        real()
+
+    ps.destroy_distributed_environment = recorded
     if rank == 1:
         time.sleep(1.5)
-        return time.time()
-    return _PickledAt()
+    return time.time()
 
 
 @pytest.mark.slow  # two spawned ranks
-def test_a_rank_reports_and_tears_down_only_after_every_rank_finished():
+@pytest.mark.parametrize("tp_size", [None, 1], ids=["tp2", "tp1_of_world2"])
+def test_a_rank_tears_down_only_after_every_rank_finished(tmp_path, tp_size):
     # A rank tearing its groups down while a peer still finishes the last
-    # collective made that peer fail ("Connection closed by peer", once in a
-    # dozen runs of test_ranks_that_disagree_are_refused_on_every_rank).
-    fast, slow_returned_at = spawn_workers(_one_slow_rank, 2, timeout_s=120,
-                                           deadline_s=120)  # fmt: skip
-    assert fast.at >= slow_returned_at
+    # collective made that peer fail ("Connection closed by peer", twice in
+    # about 30 runs of test_ranks_that_disagree_are_refused_on_every_rank).
+    returned = spawn_workers(_record_teardown, 2, args=(str(tmp_path),),
+                             tp_size=tp_size, timeout_s=120,
+                             deadline_s=120)  # fmt: skip
+    fast_teardown = float((tmp_path / "teardown0").read_text())
+    assert fast_teardown >= returned[1] > returned[0]
+
+
+def _fail_late_on_rank_1(rank):
+    import time
+
+    if rank == 1:
+        time.sleep(0.3)
+        raise ValueError("checkpoint shard of rank 1 is broken")
+    return "done"  # rank 0 then waits for rank 1 before its teardown
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_the_failing_rank_is_blamed_when_the_parent_reads_late(monkeypatch):
+    # The parent reads both pipes at once (it was busy): rank 0, which
+    # finished, must not be blamed for the error its wait for rank 1 met.
+    import multiprocessing.connection
+    import time
+
+    real_wait = multiprocessing.connection.wait
+
+    def late_wait(*args, **kwargs):
+        time.sleep(1.0)
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(multiprocessing.connection, "wait", late_wait)
+    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
+        spawn_workers(_fail_late_on_rank_1, 2, timeout_s=120, deadline_s=120)
+
+
+def _stuck_on_rank_1(rank):
+    import time
+
+    if rank == 1:
+        time.sleep(60)
+    return "done"
+
+
+@pytest.mark.slow  # two spawned ranks
+def test_a_deadline_blames_the_rank_that_did_not_finish():
+    with pytest.raises(WorkerError, match="rank 1: no result after 4 s"):
+        spawn_workers(_stuck_on_rank_1, 2, timeout_s=120, deadline_s=4)
 
 
 # --- without processes: ownership on every rank, the reader with EP ---------

@@ -55,6 +55,7 @@ def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args
 
     from vllm.distributed import parallel_state as ps
 
+    reported = False
     try:
         ps.init_distributed_environment(
             world_size=world_size, rank=rank, distributed_init_method=init_method,
@@ -62,16 +63,20 @@ def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args
         )  # fmt: skip
         ps.initialize_model_parallel(tp_size)
         value = fn(rank, *args)
+        conn.send_bytes(pickle.dumps(("ok", value)))
+        reported = True
         # Every rank done before any tears its groups down: a peer may still
         # be finishing the last collective (gloo's connect handshake of a
         # group made last), and would see this rank's sockets close under it
-        # ("Connection closed by peer"). A rank that failed instead is
-        # reported, and the parent then ends the ranks waiting here.
+        # ("Connection closed by peer"). The result is sent first, so the
+        # parent blames only a rank that failed or never finished; if a peer
+        # fails instead, this barrier's own error is not reported, and the
+        # parent ends the ranks waiting here.
         ps.get_world_group().barrier()
-        conn.send_bytes(pickle.dumps(("ok", value)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
-        message = f"{type(e).__name__}: {e}".splitlines()[0]
-        conn.send_bytes(pickle.dumps(("error", (message, traceback.format_exc()))))
+        if not reported:
+            message = f"{type(e).__name__}: {e}".splitlines()[0]
+            conn.send_bytes(pickle.dumps(("error", (message, traceback.format_exc()))))
     finally:
         conn.close()
         # The group may be broken already (another rank failed).
