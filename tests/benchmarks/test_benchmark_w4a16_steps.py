@@ -76,3 +76,38 @@ def test_a_wrong_preparation_is_refused_before_timing(bench, monkeypatch, capsys
     monkeypatch.setattr(sys, "argv", ["steps", "--w4a16", "only", "--repeats", "1"])
     with pytest.raises(SystemExit, match="W4A16 w13 differs from the reference"):
         bench.main()
+
+
+def test_busy_processes_run_during_the_busy_measurement_on_one_thread(
+    bench, monkeypatch, capsys
+):
+    import contextlib
+
+    active = {"busy": None, "prep_threads": False}
+    entered = []
+
+    @contextlib.contextmanager
+    def busy_cores(n, threads):
+        entered.append(n)
+        active["busy"] = n
+        yield
+        active["busy"] = None
+
+    @contextlib.contextmanager
+    def moe_prep_threads(device):
+        active["prep_threads"] = True
+        yield
+        active["prep_threads"] = False
+
+    def measure(preset, tensors, repeats, floors=None):
+        assert active["prep_threads"], "W4A16 timed outside moe_prep_threads"
+        seconds = {0: 0.5, 1: 0.75}[active["busy"]]
+        return {s: {"time_s": seconds, "bytes": 1, "memcpy_s": 0.1}
+                for s in [*bench.W4A16_STEPS, "total"]}  # fmt: skip
+
+    monkeypatch.setattr(bench, "busy_cores", busy_cores)
+    monkeypatch.setattr(bench, "moe_prep_threads", moe_prep_threads)
+    monkeypatch.setattr(bench, "measure_w4a16", measure)
+    out = _run(bench, monkeypatch, capsys, "--w4a16", "only", "--busy-cores", "1")
+    assert entered == [0, 1]
+    assert "W4A16: busy / quiet = 1.50x" in out
