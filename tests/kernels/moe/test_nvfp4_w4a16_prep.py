@@ -556,3 +556,25 @@ def test_w4a16_layer_takes_the_alpha_mode_only():
         FusedMoE(num_experts=2, top_k=1, hidden_size=96, intermediate_size=64,
                  quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
                  moe_backend=BACKEND)  # fmt: skip
+
+
+@pytest.mark.parametrize("name, index, shard", [
+    ("w13_weight_scale_2", (1, 1), "w1"),  # loaded as [w3; w1]: column 1 is w1
+    ("w2_weight_scale_2", (0,), "w2"),
+])  # fmt: skip
+def test_bad_global_scale_is_refused_before_any_write(name, index, shard):
+    e, h, i, gated = LAYERS[0]
+    layer = _w4a16_layer(e, h, i, gated)
+    _load_through_loader(layer, _tensors(e, h, i, gated, seed=6))
+    # Control: a W4A16 layer reads no input scales, so a bad one is ignored.
+    control = _w4a16_layer(e, h, i, gated)
+    _load_through_loader(control, _tensors(e, h, i, gated, seed=6))
+    control.w13_input_scale.data.fill_(float("nan"))
+    _prepare(control)
+    getattr(layer, name).data[index] = float("nan")
+    before = {n: bytes_of(p).clone() for n, p in layer.named_parameters()}
+    with pytest.raises(ValueError, match=rf"{name} of expert {index[0]} \({shard}\) "
+                       "is nan"):  # fmt: skip
+        _prepare(layer)
+    for n, p in layer.named_parameters():
+        assert torch.equal(bytes_of(p), before[n]), n

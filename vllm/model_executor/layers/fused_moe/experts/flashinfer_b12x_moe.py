@@ -98,6 +98,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "GLOBAL_SCALE_MODES",
+    "check_global_scales",
     "FlashInferB12xExperts",
     "is_flashinfer_b12x_moe_available",
     "recorded_prep_step",
@@ -176,13 +177,18 @@ def recorded_prep_step(experts, layer, state, steps) -> Callable[[], None]:
     return step
 
 
-def _check_global_scales(layer: torch.nn.Module, first_expert: int) -> None:
-    """ValueError naming the parameter and expert of a global or input scale
-    that is not finite and positive (scales set in memory, not loaded)."""
+def check_global_scales(
+    layer: torch.nn.Module,
+    first_expert: int,
+    suffixes: tuple[str, ...] = ("weight_scale_2", "input_scale"),
+) -> None:
+    """ValueError naming the parameter, expert and shard of a global or input
+    scale (``suffixes``: which of them; W4A16 reads no input scales) that is
+    not finite and positive (scales set in memory, not loaded)."""
     first = "w3" if getattr(layer, "w13_loaded_as_w3w1", False) else "w1"
     shards = {"w13": (first, "w1" if first == "w3" else "w3"), "w2": ("w2",)}
     for prefix in ("w13", "w2"):
-        for suffix in ("weight_scale_2", "input_scale"):
+        for suffix in suffixes:
             name = f"{prefix}_{suffix}"
             t = getattr(layer, name, None)
             if t is None:
@@ -364,7 +370,7 @@ class FlashInferB12xExperts(FusedMoEExperts):
         @torch.no_grad()
         def validate() -> None:
             # Before any write: bad scales leave the layer as loaded.
-            _check_global_scales(layer, first_expert)
+            check_global_scales(layer, first_expert)
             for name in ("w13_weight_scale", "w2_weight_scale"):
                 check_blockscale_values(name, getattr(layer, name),
                                         first_expert=first_expert,

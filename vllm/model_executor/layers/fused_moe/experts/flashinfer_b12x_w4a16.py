@@ -44,6 +44,7 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEQuantConfig,
 )
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
+    check_global_scales,
     is_flashinfer_b12x_moe_available,
     recorded_prep_step,
 )
@@ -115,21 +116,6 @@ def _replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
     param = getattr(layer, name)
     if value is not param:
         param.data = value
-
-
-def _check_weight_scales(layer: torch.nn.Module, first_expert: int) -> None:
-    """ValueError naming the parameter and expert of a weight global scale
-    that is not finite and positive (input scales are not read)."""
-    for name in ("w13_weight_scale_2", "w2_weight_scale_2"):
-        values = getattr(layer, name).detach().float()
-        values = values.reshape(values.shape[0], -1)  # [E, G], tiny
-        bad = ~(torch.isfinite(values) & (values > 0))
-        if bool(bad.any()):
-            e, g = (int(i) for i in bad.nonzero()[0])
-            raise ValueError(
-                f"{name} of expert {first_expert + e} (column {g}) is "
-                f"{values[e, g].item()}: global scales must be finite and positive"
-            )
 
 
 class FlashInferB12xW4A16Experts(FusedMoEExperts):
@@ -228,7 +214,7 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
 
         @torch.no_grad()
         def validate() -> None:
-            _check_weight_scales(layer, first_expert)
+            check_global_scales(layer, first_expert, ("weight_scale_2",))
             for name in ("w13_weight_scale", "w2_weight_scale"):
                 check_blockscale_values(name, getattr(layer, name),
                                         first_expert=first_expert,
