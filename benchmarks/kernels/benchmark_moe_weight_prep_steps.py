@@ -96,12 +96,13 @@ def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
-    times: dict[str, list[float]] = {s: [] for s in STEPS}
+def _time_steps(make_layer, repeats: int, names) -> dict[str, list[float]]:
+    """Each preparation step of ``repeats`` fresh layers, timed one by one
+    (``names``: the steps to keep, "total" included)."""
+    times: dict[str, list[float]] = {s: [] for s in names}
     device = torch.device("cpu")
     for _ in range(repeats):
-        layer = _make_layer(preset, RankShard(), device, tensors,
-                            DEFAULT_MAX_TRANSIENT_BYTES, mode)  # fmt: skip
+        layer = make_layer()
         steps = layer.quant_method.preparation_steps(layer)
         # As process_weights_after_loading runs them: one thread setting.
         with moe_prep_threads(device):
@@ -114,7 +115,16 @@ def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
                 if name in times:
                     times[name].append(dt)
         times["total"].append(total)
-        del layer
+        del layer, steps
+    return times
+
+
+def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
+    times = _time_steps(
+        lambda: _make_layer(preset, RankShard(), torch.device("cpu"), tensors,
+                            DEFAULT_MAX_TRANSIENT_BYTES, mode),
+        repeats, STEPS,
+    )  # fmt: skip
     return {s: _median(v) for s, v in times.items() if v}
 
 
@@ -281,21 +291,8 @@ def measure_w4a16(preset, tensors, repeats: int,
                   floors: dict[int, float] | None = None) -> dict:  # fmt: skip
     """Per W4A16 step: median time and the memcpy of the bytes it rewrites
     (``floors``: those memcpy times by byte count; measured here if None)."""
-    times: dict[str, list[float]] = {s: [] for s in [*W4A16_STEPS, "total"]}
-    device = torch.device("cpu")
-    for _ in range(repeats):
-        layer = _w4a16_layer(preset, tensors)
-        steps = layer.quant_method.preparation_steps(layer)
-        with moe_prep_threads(device):
-            total = 0.0
-            for name, fn in steps:
-                start = time.perf_counter()
-                fn()
-                dt = time.perf_counter() - start
-                total += dt
-                times[name].append(dt)
-        times["total"].append(total)
-        del layer, steps
+    times = _time_steps(lambda: _w4a16_layer(preset, tensors), repeats,
+                        [*W4A16_STEPS, "total"])  # fmt: skip
     nbytes = _w4a16_bytes(tensors)
     if floors is None:
         floors = _time_memcpy(set(nbytes.values()), repeats)
