@@ -43,6 +43,9 @@ from typing import Any
 import torch
 
 import vllm.envs as envs
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
+    blockscale_storage_for_swizzle,
+)
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
 )
@@ -55,6 +58,7 @@ __all__ = [
     "check_load_layout",
     "get_prep_state",
     "layout_extra_state",
+    "load_layout_data",
     "load_layout_ok",
     "nvfp4_moe_param_specs",
     "reload_slots",
@@ -345,6 +349,24 @@ def nvfp4_moe_param_specs(moe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
         "w2_weight_scale_2": ((e,), torch.float32),
         "w2_input_scale": ((e,), torch.float32),
     }
+
+
+def load_layout_data(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                     swizzles_block_scales: bool,
+                     state: MoEWeightPrepState) -> torch.Tensor:  # fmt: skip
+    """New data for parameter ``name`` in the load layout (on the current
+    default device): block scales a swizzling backend prepares get storage
+    with room for the swizzled, padded scales (recorded in ``state``, so the
+    preparation swizzles in place whatever the shape); float32 global and
+    input scales are 1 (a checkpoint may omit input scales: b12x quantizes
+    activations dynamically); everything else 0."""
+    if name.endswith("_weight_scale") and swizzles_block_scales:
+        data = blockscale_storage_for_swizzle(*shape)
+        state.record_storage_room(name, data)
+        return data
+    if dtype == torch.float32:
+        return torch.ones(shape, dtype=dtype)
+    return torch.zeros(shape, dtype=dtype)
 
 
 def reload_slots(moe) -> dict[str, tuple[int, int]]:

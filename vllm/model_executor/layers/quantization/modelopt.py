@@ -21,10 +21,8 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
+    load_layout_data,
     nvfp4_moe_param_specs,
-)
-from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
-    blockscale_storage_for_swizzle,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     NVFP4_BLOCK_SIZE,
@@ -158,20 +156,8 @@ class ModelOptNvFp4FusedMoE:
         specs = nvfp4_moe_param_specs(moe)
         state = get_prep_state(layer)
         for name, (shape, dtype) in specs.items():
-            if (
-                name.endswith("_weight_scale")
-                and self.experts_cls.swizzles_block_scales
-            ):
-                # Storage with room for the swizzled, padded scales: the
-                # preparation then swizzles in place whatever the shape.
-                data = blockscale_storage_for_swizzle(*shape)
-                state.record_storage_room(name, data)
-            elif dtype == torch.float32:
-                # Global and input scales default to 1 (a checkpoint may omit
-                # input scales: b12x quantizes activations dynamically).
-                data = torch.ones(shape, dtype=dtype)
-            else:
-                data = torch.zeros(shape, dtype=dtype)
+            swizzles = self.experts_cls.swizzles_block_scales
+            data = load_layout_data(name, shape, dtype, swizzles, state)
             param = torch.nn.Parameter(data, requires_grad=False)
             for key, value in extra_weight_attrs.items():
                 setattr(param, key, value)

@@ -12,6 +12,7 @@ import torch
 
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
+    load_layout_data,
     nvfp4_moe_param_specs,
     reload_slots,
 )
@@ -19,7 +20,6 @@ from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
-    blockscale_storage_for_swizzle,
     unswizzle_blockscale_bounded_,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
@@ -136,17 +136,18 @@ def reset_load_layout(experts, layer: torch.nn.Module, state, reason: str) -> No
         if param.dtype == dtype and tuple(param.shape) == shape:
             continue
         with torch.device(param.device):
-            if name.endswith("_weight_scale") and experts.swizzles_block_scales:
-                if param.dtype == dtype and state.has_storage_room(name, param):
-                    data = torch.empty(0, dtype=dtype).set_(
-                        param.untyped_storage(), 0, shape)  # fmt: skip
-                else:
-                    data = blockscale_storage_for_swizzle(*shape)
-                    state.record_storage_room(name, data)
-            elif dtype == torch.float32:
-                data = torch.ones(shape, dtype=dtype)
+            if (
+                name.endswith("_weight_scale")
+                and experts.swizzles_block_scales
+                and param.dtype == dtype
+                and state.has_storage_room(name, param)
+            ):
+                data = torch.empty(0, dtype=dtype).set_(
+                    param.untyped_storage(), 0, shape)  # fmt: skip
             else:
-                data = torch.zeros(shape, dtype=dtype)
+                data = load_layout_data(
+                    name, shape, dtype, experts.swizzles_block_scales, state
+                )
         replace_parameter(layer, name, data)
     if state.load_w3w1 is not None:
         layer.w13_loaded_as_w3w1 = state.load_w3w1
