@@ -27,10 +27,12 @@ def _never(*args, **kwargs):
 
 STEPS = "benchmark_moe_weight_prep_steps.py"
 REORDER = "benchmark_reorder_w1w3.py"
+PARTS = "benchmark_w4a16_repack_parts.py"
 # Functions each script calls first once its arguments are parsed.
 ENTRY_POINTS = {
     STEPS: ["busy_cores", "synthetic_layer_tensors", "get_preset"],
     REORDER: ["busy_cores", "bench_model", "tile_sweep"],
+    PARTS: ["busy_cores", "get_preset"],
 }
 TOO_MANY = str(available_cores() + 1)
 BAD = {
@@ -58,6 +60,11 @@ BAD = {
     "reorder busy cores too many": (REORDER, ["--busy-cores", TOO_MANY],
                                     "--busy-cores: must be at most"),
     "reorder repeats 0": (REORDER, ["--repeats", "0"], "--repeats: must be at least 1"),
+    "parts busy cores -1": (PARTS, ["--busy-cores", "-1"],
+                            "--busy-cores: must be at least 0, got -1"),
+    "parts busy cores too many": (PARTS, ["--busy-cores", TOO_MANY],
+                                  "--busy-cores: must be at most"),
+    "parts repeats 0": (PARTS, ["--repeats", "0"], "--repeats: must be at least 1"),
 }  # fmt: skip
 
 
@@ -84,6 +91,8 @@ def test_good_counts_reach_the_run(script, capsys, monkeypatch):
     argv = ["--busy-cores", str(available_cores()), "--repeats", "1"]
     if script == REORDER:
         argv += ["--tile-sweep-kib", "1"]
+    elif script == PARTS:
+        pass
     else:
         argv += ["--prep-threads", "0", "--busy-threads", "1"]
     # The steps script sets VLLM_MOE_PREP_CPU_THREADS from --prep-threads:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from vllm.benchmarks.moe_model_presets import get_preset
 
@@ -111,3 +112,38 @@ def test_busy_processes_run_during_the_busy_measurement_on_one_thread(
     out = _run(bench, monkeypatch, capsys, "--w4a16", "only", "--busy-cores", "1")
     assert entered == [0, 1]
     assert "W4A16: busy / quiet = 1.50x" in out
+
+
+def _parts():
+    path = SCRIPT.parent / "benchmark_w4a16_repack_parts.py"
+    spec = importlib.util.spec_from_file_location("_bench_w4a16_parts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_repack_parts_are_each_measured_on_a_small_expert():
+    parts = _parts()
+    small = dataclasses.replace(get_preset("qwen3.6-35b-a3b"), num_experts=4,
+                                hidden_size=256, intermediate_size=128)  # fmt: skip
+    r = parts.measure(small, 2, None)
+    assert list(r) == ["memcpy (cached)", "memcpy (layer rate)", "fill",
+                       "bit steps", "write-back", "whole", "scales"]  # fmt: skip
+    assert all(ms == ms for ms in r.values())  # no NaN
+    assert all(r[k] > 0 for k in ("memcpy (cached)", "fill", "bit steps",
+                                  "write-back"))  # fmt: skip
+
+
+def test_the_chunk_given_to_torch_compile_is_the_layout():
+    # Run eagerly here (compiling takes seconds): the same function the
+    # script compiles gives the reference bytes; a wrong rotation does not.
+    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+        w4a16_pack_weight,
+    )
+
+    w = torch.randint(0, 256, (2, 256, 128), dtype=torch.uint8)
+    got = _parts()._compiled_chunk()(w.view(torch.int64).view(2, 4, 64, 16))
+    want = w4a16_pack_weight(w).view(torch.int64).reshape(-1)
+    assert torch.equal(got.reshape(-1), want)
+    other = w4a16_pack_weight(w, 64).view(torch.int64).reshape(-1)
+    assert not torch.equal(got.reshape(-1), other)
