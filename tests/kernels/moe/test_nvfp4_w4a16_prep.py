@@ -578,3 +578,24 @@ def test_bad_global_scale_is_refused_before_any_write(name, index, shard):
         _prepare(layer)
     for n, p in layer.named_parameters():
         assert torch.equal(bytes_of(p), before[n]), n
+
+
+def test_the_w4a16_gate_adds_the_prepared_call_to_the_b12x_gate(monkeypatch):
+    # On a b12x device the W4A16 experts are supported only where FlashInfer
+    # runs prepared weights (no copying fallback); off one, the b12x reason.
+    from vllm.model_executor.layers.fused_moe.experts import flashinfer_b12x_w4a16 as m
+    from vllm.model_executor.layers.fused_moe.modular_kernel import Support
+
+    cls = m.FlashInferB12xW4A16Experts
+    monkeypatch.setattr(m.FlashInferB12xExperts, "is_supported_device",
+                        classmethod(lambda c, d: Support.yes()))  # fmt: skip
+    monkeypatch.setattr(m, "flashinfer_w4a16_prepared_call",
+                        lambda: Support.no("no _prepared_weights"))  # fmt: skip
+    got = cls.is_supported_device(torch.device("cuda"))
+    assert not got and got.reason == "no _prepared_weights"
+    monkeypatch.setattr(m, "flashinfer_w4a16_prepared_call", Support.yes)
+    assert cls.is_supported_device(torch.device("cuda"))
+    monkeypatch.setattr(m.FlashInferB12xExperts, "is_supported_device",
+                        classmethod(lambda c, d: Support.no("not SM12x")))  # fmt: skip
+    got = cls.is_supported_device(torch.device("cuda"))
+    assert not got and got.reason == "not SM12x"

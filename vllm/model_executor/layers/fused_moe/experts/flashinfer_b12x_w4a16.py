@@ -44,8 +44,8 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEQuantConfig,
 )
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
+    FlashInferB12xExperts,
     check_global_scales,
-    is_flashinfer_b12x_moe_available,
     recorded_prep_step,
 )
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
@@ -168,18 +168,13 @@ class FlashInferB12xW4A16Experts(FusedMoEExperts):
     # -- capability predicates ------------------------------------------------
     @classmethod
     def is_supported_device(cls, device: torch.device) -> Support:
-        support = is_flashinfer_b12x_moe_available()
-        if support and torch.device(device).type != "cuda":
-            return Support.no(f"runs on CUDA devices, not {device}")
-        if support:
-            return flashinfer_w4a16_prepared_call()
-        return support
+        # The W4A4 experts' gate (SM120/121, CUDA), then the prepared call.
+        support = FlashInferB12xExperts.is_supported_device(device)
+        return flashinfer_w4a16_prepared_call() if support else support
 
     @classmethod
     def supports_quant_scheme(cls, quant_dtype: str) -> Support:
-        if quant_dtype != "nvfp4":
-            return Support.no(f"supports NVFP4 weights only, not {quant_dtype!r}")
-        return Support.yes()
+        return FlashInferB12xExperts.supports_quant_scheme(quant_dtype)
 
     @classmethod
     def supports_activation(cls, activation: MoEActivation) -> Support:
