@@ -1,48 +1,70 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Environment variables this slice of vLLM reads, read when accessed.
-
-import vllm.envs as envs
-envs.VLLM_MOE_PREP_CPU_THREADS
-"""
-
-from __future__ import annotations
+"""Environment variables this tree reads, read when accessed (vLLM's idiom:
+``import vllm.envs as envs; envs.VLLM_MOE_PREP_CPU_THREADS``)."""
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["environment_variables"]
+if TYPE_CHECKING:
+    VLLM_MOE_PREP_CPU_THREADS: int = 1
+    VLLM_MOE_PREP_MAX_TRANSIENT_BYTES: int = 64 << 20
+    VLLM_MOE_PREP_VERIFY: bool = False
+    VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE: str = "alpha"
 
 
-def _non_negative_int(name: str, default: int) -> Callable[[], int]:
-    def read() -> int:
-        text = os.environ.get(name, "").strip()
-        if not text:
+def env_with_choices(
+    env_name: str,
+    default: str | None,
+    choices: list[str] | Callable[[], list[str]],
+    case_sensitive: bool = True,
+) -> Callable[[], str | None]:
+    """A reader of ``env_name`` that accepts only ``choices`` (ValueError
+    naming the variable and the options otherwise)."""
+
+    def read() -> str | None:
+        value = os.getenv(env_name)
+        if value is None:
             return default
-        try:
-            value = int(text)
-        except ValueError:
-            value = -1
-        if value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {text!r}")
+        options = choices() if callable(choices) else choices
+        if case_sensitive:
+            ok = value in options
+        else:
+            ok = value.lower() in [c.lower() for c in options]
+        if not ok:
+            raise ValueError(
+                f"Invalid value '{value}' for {env_name}. Valid options: {options}."
+            )
         return value
 
     return read
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
-    # Intra-op threads the bounded NVFP4 MoE weight preparation uses on CPU
+    # Intra-op threads of the bounded NVFP4 MoE weight preparation on CPU
     # (0: torch's current setting). One by default: the chunked steps issue
     # many short operations, and each parallel one waits for its slowest
     # thread; when another process shares the cores (tensor-parallel workers
-    # preparing at the same moment) that wait dominated (measured in
-    # docs/design/nvfp4_moe_weight_preparation.md, "Threads").
-    "VLLM_MOE_PREP_CPU_THREADS": _non_negative_int("VLLM_MOE_PREP_CPU_THREADS", 1),
+    # preparing at the same moment) that wait dominated.
+    "VLLM_MOE_PREP_CPU_THREADS": lambda: int(
+        os.getenv("VLLM_MOE_PREP_CPU_THREADS", "1")
+    ),
+    # The most bytes each step of the NVFP4 MoE weight preparation allocates
+    # beyond the weights (the b12x experts' max_transient_bytes).
+    "VLLM_MOE_PREP_MAX_TRANSIENT_BYTES": lambda: int(
+        os.getenv("VLLM_MOE_PREP_MAX_TRANSIENT_BYTES", str(64 << 20))
+    ),
     # 1: a prepared MoE layer also checksums its parameters' bytes and checks
-    # them at every forward and re-preparation (catches param.data.copy_, which
-    # the version counter misses). A debug mode: it reads every weight.
-    "VLLM_MOE_PREP_VERIFY": _non_negative_int("VLLM_MOE_PREP_VERIFY", 0),
+    # them at every forward and re-preparation (catches param.data.copy_,
+    # which the version counter misses). A debug mode: it reads every weight.
+    "VLLM_MOE_PREP_VERIFY": lambda: bool(int(os.getenv("VLLM_MOE_PREP_VERIFY", "0"))),
+    # How FlashInfer's b12x W4A4 MoE gets the weights' global scales:
+    # "alpha" (the kernel's per-expert alphas; block scales as loaded) or
+    # "fold" (multiplied into the FP8 block scales).
+    "VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE": env_with_choices(
+        "VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE", "alpha", ["alpha", "fold"]
+    ),
 }
 
 

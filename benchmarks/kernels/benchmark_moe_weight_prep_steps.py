@@ -234,7 +234,7 @@ def measure_alternatives(tensors: dict, repeats: int) -> dict[str, float]:
             "fold_table_s": table_t, "fold_float_s": float_t}  # fmt: skip
 
 
-W4A16_STEPS = ["validate", "halves", "exponents", "w13", "w2", "finalize", "kernel"]
+W4A16_STEPS = ["validate", "halves", "exponents", "w13", "w2", "finalize"]
 
 
 def _w4a16_layer(preset, tensors):
@@ -245,7 +245,7 @@ def _w4a16_layer(preset, tensors):
         num_experts=preset.num_experts, top_k=preset.top_k,
         hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
         activation=preset.activation,
-        quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
         moe_backend="flashinfer_b12x_emulated", place_w3w1_at_load=True,
     )  # fmt: skip
     with torch.no_grad():
@@ -263,7 +263,7 @@ def _check_w4a16(preset, tensors) -> None:
 
     layer = _w4a16_layer(preset, tensors)
     layer.quant_method.process_weights_after_loading(layer)
-    pw = layer.quant_method.experts.packed_weights
+    pw = layer.quant_method.experts.prepared
     rotate = preset.intermediate_size if preset.is_gated else 0
     for prefix, rot in (("w13", rotate), ("w2", 0)):
         w, s = tensors[f"{prefix}_weight"], tensors[f"{prefix}_weight_scale"]

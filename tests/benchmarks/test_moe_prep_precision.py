@@ -31,7 +31,7 @@ def _prepared(preset, mode):
     layer = FusedMoE(
         num_experts=preset.num_experts, top_k=preset.top_k,
         hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
-        activation=preset.activation, quant_config=ModelOptNvFp4Config(),
+        activation=preset.activation, quant_config=ModelOptNvFp4Config.for_mode(),
         moe_backend="flashinfer_b12x_emulated", place_w3w1_at_load=False,
         experts_kwargs={"global_scale_mode": mode},
     )  # fmt: skip

@@ -46,11 +46,15 @@ E, H, I_SIZE = 8, 256, 256
 
 def _layer(ckpt, top_k, **parallel):
     return FusedMoE(
-        num_experts=ckpt.num_experts, top_k=top_k, hidden_size=ckpt.hidden_size,
-        intermediate_size=ckpt.intermediate_size, activation=ckpt.activation,
-        quant_config=ModelOptNvFp4Config(), moe_backend="flashinfer_b12x_emulated",
+        num_experts=ckpt.num_experts,
+        top_k=top_k,
+        hidden_size=ckpt.hidden_size,
+        intermediate_size=ckpt.intermediate_size,
+        activation=ckpt.activation,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend="flashinfer_b12x_emulated",
         **parallel,
-    )  # fmt: skip
+    )
 
 
 def _run(ckpt, x, logits, top_k, **parallel):
@@ -70,9 +74,13 @@ SCENARIOS = [
     # reduce that (test_ranks_that_disagree_are_refused_on_every_rank), so
     # the worker sums the partials itself.
     ("tp2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 2}, True),
-    ("ep2_both_load_rank0", 2, {"tp_rank": 0, "tp_size": 1, "ep_rank": 0,
-                                "ep_size": 2}, True),
-]  # fmt: skip
+    (
+        "ep2_both_load_rank0",
+        2,
+        {"tp_rank": 0, "tp_size": 1, "ep_rank": 0, "ep_size": 2},
+        True,
+    ),
+]
 
 
 def _worker(rank, ckpt_dir, x, logits):
@@ -98,9 +106,21 @@ def _worker(rank, ckpt_dir, x, logits):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("ckpt") / "moe"
-    write_example([str(path), "--num-layers", "1", "--num-experts", str(E),
-                   "--top-k", "2", "--hidden-size", str(H),
-                   "--intermediate-size", str(I_SIZE)])  # fmt: skip
+    write_example(
+        [
+            str(path),
+            "--num-layers",
+            "1",
+            "--num-experts",
+            str(E),
+            "--top-k",
+            "2",
+            "--hidden-size",
+            str(H),
+            "--intermediate-size",
+            str(I_SIZE),
+        ]
+    )
     return path
 
 
@@ -111,8 +131,9 @@ def two_ranks(checkpoint):
     logits = torch.randn(16, E, generator=gen)
     ckpt = NVFP4MoECheckpoint(checkpoint)
     reference = {k: _run(ckpt, x, logits, k)[1] for k in (2, 4)}
-    results = spawn_workers(_worker, 2, args=(str(checkpoint), x, logits),
-                            timeout_s=600, deadline_s=600)  # fmt: skip
+    results = spawn_workers(
+        _worker, 2, args=(str(checkpoint), x, logits), timeout_s=600, deadline_s=600
+    )
     return results, reference
 
 
@@ -207,9 +228,14 @@ def test_a_rank_tears_down_only_after_every_rank_finished(tmp_path, tp_size):
     # A rank tearing its groups down while a peer still finishes the last
     # collective made that peer fail ("Connection closed by peer", twice in
     # about 30 runs of test_ranks_that_disagree_are_refused_on_every_rank).
-    returned = spawn_workers(_record_teardown, 2, args=(str(tmp_path),),
-                             tp_size=tp_size, timeout_s=120,
-                             deadline_s=120)  # fmt: skip
+    returned = spawn_workers(
+        _record_teardown,
+        2,
+        args=(str(tmp_path),),
+        tp_size=tp_size,
+        timeout_s=120,
+        deadline_s=120,
+    )
     fast_teardown = float((tmp_path / "teardown0").read_text())
     assert fast_teardown >= returned[1] > returned[0]
 
@@ -292,10 +318,10 @@ def test_reader_loads_each_ranks_experts_with_expert_parallelism(checkpoint):
             for name in names:
                 got = getattr(layer, name).data
                 want = getattr(full, name).data[rank * per : (rank + 1) * per]
-                assert torch.equal(got.view(torch.uint8) if got.dtype.itemsize == 1
-                                   else got, want.view(torch.uint8)
-                                   if want.dtype.itemsize == 1 else want), (
-                    f"ep {ep_size} rank {rank}: {name}")  # fmt: skip
+                assert torch.equal(
+                    got.view(torch.uint8) if got.dtype.itemsize == 1 else got,
+                    want.view(torch.uint8) if want.dtype.itemsize == 1 else want,
+                ), f"ep {ep_size} rank {rank}: {name}"
             # An expert of another rank is not loaded (weight_loader says so).
             other = ((rank + 1) % ep_size) * per
             assert not layer.weight_loader(
@@ -304,9 +330,14 @@ def test_reader_loads_each_ranks_experts_with_expert_parallelism(checkpoint):
 
 
 def test_parallel_arguments_are_checked():
-    ckpt_args = dict(num_experts=E, top_k=2, hidden_size=H, intermediate_size=I_SIZE,
-                     quant_config=ModelOptNvFp4Config(),
-                     moe_backend="flashinfer_b12x_emulated")  # fmt: skip
+    ckpt_args = dict(
+        num_experts=E,
+        top_k=2,
+        hidden_size=H,
+        intermediate_size=I_SIZE,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend="flashinfer_b12x_emulated",
+    )
     with pytest.raises(ValueError, match="tp_rank and tp_size together"):
         FusedMoE(**ckpt_args, tp_size=2)
     with pytest.raises(ValueError, match="do not also give ep_rank"):
@@ -348,14 +379,16 @@ def _disagreeing_worker(rank, ckpt_dir, x, logits):
     # A tensor-parallel group of one in a world of two: no reduction.
     destroy_model_parallel()
     initialize_model_parallel(1)
-    out["tp1_group"] = (get_tensor_model_parallel_rank(),
-                        get_tensor_model_parallel_world_size())  # fmt: skip
+    out["tp1_group"] = (
+        get_tensor_model_parallel_rank(),
+        get_tensor_model_parallel_world_size(),
+    )
     layer, out["tp1"] = _run(ckpt, x, logits, 2, reduce_results=True)
     out["tp1_split"] = (layer.moe_config.tp_size, layer.ep_size)
     destroy_model_parallel()
     out["init"] = error_of(lambda: initialize_model_parallel(2 if rank == 0 else 1))
     initialize_model_parallel(2)  # the launcher's group back, for its teardown
-    return out  # fmt: skip
+    return out
 
 
 def test_ranks_that_disagree_are_refused_on_every_rank(checkpoint):
@@ -363,11 +396,17 @@ def test_ranks_that_disagree_are_refused_on_every_rank(checkpoint):
     x = torch.randn(8, H, generator=gen).bfloat16()
     logits = torch.randn(8, E, generator=gen)
     reference = _run(NVFP4MoECheckpoint(checkpoint), x, logits, 2)[1]
-    results = spawn_workers(_disagreeing_worker, 2, args=(str(checkpoint), x, logits),
-                            timeout_s=600, deadline_s=600)  # fmt: skip
+    results = spawn_workers(
+        _disagreeing_worker,
+        2,
+        args=(str(checkpoint), x, logits),
+        timeout_s=600,
+        deadline_s=600,
+    )
     for rank, out in enumerate(results):
-        assert "enable_expert_parallel: rank 0 has 1, rank 1 has 0" in out[
-            "ep_on_rank0"], (rank, out["ep_on_rank0"])  # fmt: skip
+        assert (
+            "enable_expert_parallel: rank 0 has 1, rank 1 has 0" in out["ep_on_rank0"]
+        ), (rank, out["ep_on_rank0"])
         assert (
             "two ranks hold the same shard (ep_rank/tp_rank: rank 0 has (0, 0), "
             "rank 1 has (0, 0))"
@@ -376,8 +415,10 @@ def test_ranks_that_disagree_are_refused_on_every_rank(checkpoint):
         assert out["tp1_group"] == (0, 1)
         assert out["tp1_split"] == (1, 1)
         assert torch.equal(out["tp1"], reference)  # whole layer on each rank
-        assert "ranks disagree on tensor_model_parallel_size: rank 0 has 2, rank 1 " \
-            "has 1" in out["init"], (rank, out["init"])  # fmt: skip
+        assert (
+            "ranks disagree on tensor_model_parallel_size: rank 0 has 2, rank 1 "
+            "has 1" in out["init"]
+        ), (rank, out["init"])
 
 
 @pytest.mark.parametrize("world_size, rank", [(2, 2), (2, -2), (2, 5), (-3, 0), (0, 0)])

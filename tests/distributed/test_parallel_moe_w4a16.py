@@ -37,7 +37,7 @@ def _layer(gated, **parallel):
     return FusedMoE(
         num_experts=E, top_k=4, hidden_size=H, intermediate_size=I_SIZE,
         activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
         moe_backend="flashinfer_b12x_emulated", **parallel,
     )  # fmt: skip
 
@@ -62,7 +62,7 @@ def _worker(rank, x, logits):
         tensors = _tensors(gated)
         layer, y = _run(tensors, gated, x, logits, enable_expert_parallel=True,
                         reduce_results=True)  # fmt: skip
-        emap = layer.quant_method.experts.expert_map
+        emap = layer.expert_map
         out[gated] = {"y": y, "map": emap.tolist(), "local": layer.local_num_experts}
         # Control: both ranks hold rank 0's experts (the layer refuses that
         # with reduce_results=True, so the partials are summed here).

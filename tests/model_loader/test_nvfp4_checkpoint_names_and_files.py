@@ -30,9 +30,13 @@ SHARD = "model-00001-of-00001.safetensors"
 
 def _config(**changes):
     return {
-        "model_type": "qwen3_5_moe_text", "hidden_size": H, "num_hidden_layers": 2,
-        "num_experts": E, "num_experts_per_tok": TOPK, "moe_intermediate_size": I,
-    } | changes  # fmt: skip
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": H,
+        "num_hidden_layers": 2,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": I,
+    } | changes
 
 
 def _write(path, layers=(0, 1), seed=0, **kwargs):
@@ -43,17 +47,23 @@ def _write(path, layers=(0, 1), seed=0, **kwargs):
 
 def _layer():
     return FusedMoE(
-        num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
-        quant_config=ModelOptNvFp4Config(), moe_backend="flashinfer_b12x_emulated",
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend="flashinfer_b12x_emulated",
         device="cpu",
-    )  # fmt: skip
+    )
 
 
 def _loaded(ckpt, key):
     layer = _layer()
     ckpt.load_layer(layer, key)
-    return {n: bytes_of(p.detach().contiguous()).clone()
-            for n, p in layer.named_parameters()}  # fmt: skip
+    return {
+        n: bytes_of(p.detach().contiguous()).clone()
+        for n, p in layer.named_parameters()
+    }
 
 
 def _add_shard(ckpt_dir, tensors, file):
@@ -101,8 +111,11 @@ def test_mtp_module_holds_the_mtp_weights(tmp_path):
     with_mtp = _write(tmp_path / "with_mtp")
     # The same MTP weights once as a decoder layer 0 of their own checkpoint.
     _write(tmp_path / "mtp_as_decoder", layers=(0,), seed=100)
-    _add_shard(with_mtp, _renamed(tmp_path / "mtp_as_decoder", "model.layers.",
-                                  "mtp.layers."), "mtp.safetensors")  # fmt: skip
+    _add_shard(
+        with_mtp,
+        _renamed(tmp_path / "mtp_as_decoder", "model.layers.", "mtp.layers."),
+        "mtp.safetensors",
+    )
     want = _loaded(NVFP4MoECheckpoint(tmp_path / "mtp_as_decoder"), 0)
     got = _loaded(NVFP4MoECheckpoint(with_mtp), "mtp.layers.0.mlp")
     for name, value in want.items():
@@ -114,15 +127,19 @@ def test_non_canonical_expert_index_is_refused(tmp_path):
     name = "model.layers.0.mlp.experts.1.gate_proj.weight"
     bad = name.replace("experts.1.", "experts.01.")
     _add_shard(ckpt_dir, {bad: torch.zeros(I, H // 2, dtype=torch.uint8)}, "x.st")
-    with pytest.raises(ValueError, match=rf"{bad} \(in x\.st\) has the "
-                       r"non-canonical index '01' \(write 1\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"{bad} \(in x\.st\) has the "
+        r"non-canonical index '01' \(write 1\)",
+    ):
         NVFP4MoECheckpoint(ckpt_dir)
 
 
 def test_non_canonical_layer_index_is_refused(tmp_path):
     ckpt_dir = _write(tmp_path / "ckpt")
-    _add_shard(ckpt_dir, _renamed(ckpt_dir, "model.layers.1.", "model.layers.001."),
-               "x.st")  # fmt: skip
+    _add_shard(
+        ckpt_dir, _renamed(ckpt_dir, "model.layers.1.", "model.layers.001."), "x.st"
+    )
     with pytest.raises(ValueError, match="non-canonical index '001'"):
         NVFP4MoECheckpoint(ckpt_dir)
 
@@ -147,12 +164,19 @@ def test_one_layer_with_experts_under_two_modules_is_refused(tmp_path):
     # no tensor twice, but one layer from two modules.
     ckpt_dir = _write(tmp_path / "ckpt", layers=(0,))
     tensors = load_file(ckpt_dir / SHARD)
-    moved = {n.replace("model.layers.0.mlp", "backbone.layers.0.mixer"): t
-             for n, t in tensors.items()
-             if ".experts.2." in n or ".experts.3." in n}  # fmt: skip
-    save_file({n: t for n, t in tensors.items() if n.replace(
-        "model.layers.0.mlp", "backbone.layers.0.mixer") not in moved},
-        ckpt_dir / SHARD)  # fmt: skip
+    moved = {
+        n.replace("model.layers.0.mlp", "backbone.layers.0.mixer"): t
+        for n, t in tensors.items()
+        if ".experts.2." in n or ".experts.3." in n
+    }
+    save_file(
+        {
+            n: t
+            for n, t in tensors.items()
+            if n.replace("model.layers.0.mlp", "backbone.layers.0.mixer") not in moved
+        },
+        ckpt_dir / SHARD,
+    )
     data = json.loads((ckpt_dir / "model.safetensors.index.json").read_text())
     data["weight_map"] = {
         n: f
@@ -161,16 +185,22 @@ def test_one_layer_with_experts_under_two_modules_is_refused(tmp_path):
     }
     (ckpt_dir / "model.safetensors.index.json").write_text(json.dumps(data))
     _add_shard(ckpt_dir, moved, "moved.st")
-    with pytest.raises(ValueError, match=r"decoder layer 0 has routed experts "
-                       r"under 2 modules \(model\.layers\.0\.mlp, "
-                       r"backbone\.layers\.0\.mixer\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"decoder layer 0 has routed experts "
+        r"under 2 modules \(model\.layers\.0\.mlp, "
+        r"backbone\.layers\.0\.mixer\)",
+    ):
         NVFP4MoECheckpoint(ckpt_dir)
 
 
 def test_experts_only_outside_the_decoder_layers(tmp_path):
     ckpt_dir = _write(tmp_path / "ckpt", layers=(0,), prefix="mtp.layers")
-    with pytest.raises(ValueError, match=r"no routed-expert tensors in decoder "
-                       r"layers \(only in \['mtp\.layers\.0\.mlp'\]\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"no routed-expert tensors in decoder "
+        r"layers \(only in \['mtp\.layers\.0\.mlp'\]\)",
+    ):
         NVFP4MoECheckpoint(ckpt_dir)
 
 
@@ -181,16 +211,20 @@ def test_num_experts_per_tok_zero_is_refused(tmp_path):
     ckpt_dir = _write(tmp_path / "ckpt")
     (ckpt_dir / "config.json").write_text(json.dumps(_config(num_experts_per_tok=0)))
     ckpt = NVFP4MoECheckpoint(ckpt_dir)
-    with pytest.raises(ValueError, match=r"config\.json: num_experts_per_tok must "
-                       "be a positive integer, got 0"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: num_experts_per_tok must "
+        "be a positive integer, got 0",
+    ):
         _ = ckpt.top_k
 
 
 # --- item 15: hostile JSON ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("file", ["config.json", "hf_quant_config.json",
-                                  "model.safetensors.index.json"])  # fmt: skip
+@pytest.mark.parametrize(
+    "file", ["config.json", "hf_quant_config.json", "model.safetensors.index.json"]
+)
 @pytest.mark.parametrize("opener", ["[", '{"a":'])
 def test_deeply_nested_json_is_a_one_line_error(tmp_path, file, opener):
     ckpt_dir = _write(tmp_path / "ckpt")
@@ -285,8 +319,9 @@ def test_shards_are_read_through_a_map_not_into_memory(tmp_path):
     process's anonymous memory by far less than the shard."""
     ckpt_dir = _write(tmp_path / "ckpt")
     tensors = load_file(ckpt_dir / SHARD)
-    filler = {f"filler.{k}": torch.full((1 << 20,), k, dtype=torch.uint8)
-              for k in range(40)}  # fmt: skip
+    filler = {
+        f"filler.{k}": torch.full((1 << 20,), k, dtype=torch.uint8) for k in range(40)
+    }
     save_file(tensors | filler, ckpt_dir / SHARD)
     del tensors, filler
     assert (ckpt_dir / SHARD).stat().st_size > 40 << 20

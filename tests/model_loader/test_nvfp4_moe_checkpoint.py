@@ -49,7 +49,7 @@ def make_layer(gated=True, place=None, tp_rank=0, tp_size=1, ep_rank=0, ep_size=
     return FusedMoE(
         num_experts=e, top_k=TOPK, hidden_size=H, intermediate_size=I,
         activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config(), moe_backend=BACKEND, device="cpu",
+        quant_config=ModelOptNvFp4Config.for_mode(), moe_backend=BACKEND, device="cpu",
         tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size,
         place_w3w1_at_load=place, **kwargs,
     )  # fmt: skip
@@ -118,10 +118,13 @@ def test_weight_loader_expert_parallel():
     assert layer.weight_loader(layer.w13_weight, w, "g", "w1", 5)  # local 1
     assert (layer.w13_weight[1, :I] == 7).all()
     assert layer.map_global_expert(4) == 0 and layer.map_global_expert(3) is None
-    # The kernel does not support expert parallelism; the layer says so.
-    from vllm.model_executor.layers.fused_moe.experts import FlashInferB12xExperts
+    # The W4A4 kernel does not support expert parallelism; the layer says so.
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
+        b12x_config_problems,
+    )
 
-    assert not FlashInferB12xExperts.supports_expert_parallel()
+    problems = b12x_config_problems(layer.moe_config, weight_only=False)
+    assert any("expert parallelism" in p for p in problems), problems
 
 
 def test_weight_loader_errors_name_the_tensor():

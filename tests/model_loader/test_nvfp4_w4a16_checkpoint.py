@@ -47,7 +47,7 @@ def write(path, fmt=MODELOPT, layers=LAYERS, **kwargs):
 def make_layer(mode=W4A4, quant_config=None):
     return FusedMoE(
         num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
-        quant_config=quant_config or ModelOptNvFp4Config(quant_mode=mode),
+        quant_config=quant_config or ModelOptNvFp4Config.for_mode(mode),
         moe_backend=BACKEND, device="cpu", place_w3w1_at_load=False,
     )  # fmt: skip
 
@@ -189,7 +189,7 @@ def test_w4a4_checkpoint_loads_as_before(tmp_path):
     ckpt = NVFP4MoECheckpoint(write(tmp_path))
     assert [ckpt.quant_mode(i) for i in LAYERS] == [W4A4] * 3
     assert _quant_json(tmp_path)["quant_algo"] == "NVFP4"
-    layer = make_layer(quant_config=ModelOptNvFp4Config())
+    layer = make_layer(quant_config=ModelOptNvFp4Config.for_mode())
     ckpt.load_layer(layer, 0)
     expected = torch.full((E, 2), 8.0 / (448 * 6))  # act_amax / (448 * 6)
     torch.testing.assert_close(layer.w13_input_scale.data, expected)

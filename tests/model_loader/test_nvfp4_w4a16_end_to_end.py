@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from tests.kernels.moe.utils import dequantized_checkpoint_layer, rel_rms_error
-from tests.kernels.utils import bytes_of
+from tests.kernels.utils import bytes_of, torch_moe
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
-from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -92,24 +91,24 @@ def test_w4a16_checkpoint_runs_within_bf16_tolerance(tmp_path, way, gated):
     assert layer.quant_method.quant_config.is_weight_only
     assert layer.weight_prep_state.status is PrepStatus.PREPARED
     # Prepared in place: the packed weights live in the loaded parameters.
-    pw = layer.quant_method.experts.packed_weights
+    pw = layer.quant_method.experts.prepared
     for packed, param in ((pw.w13, layer.w13_weight), (pw.w2, layer.w2_weight)):
         assert packed.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
     x, logits = _inputs()
     act = "silu" if gated else "relu2"
     dw13, dw2 = dequantized_checkpoint_layer(ckpt, 1, gated)
-    ref = fused_moe(x, dw13, dw2, logits, TOPK, renormalize=True, activation=act)
+    ref = torch_moe(x, dw13, dw2, logits, TOPK, renormalize=True, activation=act)
     out = layer(x, logits)
     err = rel_rms_error(out, ref)
     assert err < TOL, err
     # Negative controls: the halves of w13 swapped (gate and up, or the two
     # halves of a non-gated expert's rows), and the global scale dropped
     # from one expert's w2 (its alpha), each miss by far.
-    swapped = fused_moe(x, split_cat_halves(dw13, 1), dw2, logits, TOPK, True, act)
+    swapped = torch_moe(x, split_cat_halves(dw13, 1), dw2, logits, TOPK, True, act)
     assert rel_rms_error(out, swapped) > 20 * TOL
     unscaled = dw2.clone()
     unscaled[0] /= ckpt_scale_2(ckpt, 1, 0)
-    wrong = fused_moe(x, dw13, unscaled, logits, TOPK, True, act)
+    wrong = torch_moe(x, dw13, unscaled, logits, TOPK, True, act)
     assert rel_rms_error(out, wrong) > 20 * TOL
 
 
@@ -131,9 +130,9 @@ def test_mixed_checkpoint_runs_each_layer_in_its_mode(tmp_path, fmt):
         kwargs = {} if weight_only else {"experts_kwargs": {"weights_only": True}}
         layer = _prepared(ckpt, idx, True, **kwargs)
         assert layer.quant_method.quant_config.is_weight_only is weight_only
-        assert hasattr(layer.quant_method.experts, "packed_weights") is weight_only
+        assert layer.quant_method.experts.weight_only is weight_only
         dw13, dw2 = dequantized_checkpoint_layer(ckpt, idx, True)
-        ref = fused_moe(x, dw13, dw2, logits, TOPK, renormalize=True)
+        ref = torch_moe(x, dw13, dw2, logits, TOPK, renormalize=True)
         assert rel_rms_error(layer(x, logits), ref) < TOL
 
 
@@ -145,7 +144,7 @@ def test_w4a4_checkpoint_prepares_as_before(tmp_path, fmt):
     assert ckpt.quant_config(0).quant_mode == "w4a4"
     a = _prepared(ckpt, 0, True)
     b = FusedMoE(num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
-                 quant_config=ModelOptNvFp4Config(), moe_backend=BACKEND,
+                 quant_config=ModelOptNvFp4Config.for_mode(), moe_backend=BACKEND,
                  device="cpu")  # fmt: skip
     for name, e, proj, suffix, t in ckpt.iter_layer_tensors(0):
         shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm.model_executor.layers.fused_moe.weight_prep_steps import w13_rows
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     mma_layout_to_linear,
@@ -161,13 +162,13 @@ def _prepared_rows(
     weight by weight with the checkpoint's."""
     moe = layer.moe_config
     experts = layer.quant_method.experts
-    qc = experts.quant_config
+    kernel = experts.prepared
     ratio = _up_gate_ratio(layer, e)
     if prefix == "w13":
-        packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, qc.g1_alphas
-        m = moe.w13_rows
+        packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, kernel.w1_alpha
+        m = w13_rows(moe)
     else:
-        packed, mma, alpha = layer.w2_weight, experts.w2_sf_mma, qc.g2_alphas
+        packed, mma, alpha = layer.w2_weight, experts.w2_sf_mma, kernel.w2_alpha
         m = moe.hidden_dim
     r0, r1 = t0 * TILE_ROWS, min(t1 * TILE_ROWS, m)
     # The view's m_tile and k_tile axes sliced to these rows and columns
@@ -210,11 +211,11 @@ def prepared_weight_precision(layer, tensors: dict, how: str = "sample") -> dict
     if how == "off":
         raise ValueError("precision 'off' decodes nothing: nothing to compare")
     moe = layer.moe_config
-    rows = {"w13": moe.w13_rows, "w2": moe.hidden_dim}
+    rows = {"w13": w13_rows(moe), "w2": moe.hidden_dim}
     cols = {"w13": moe.hidden_dim, "w2": moe.intermediate_size_per_partition}
     local = layer.w13_weight.shape[0]
     sample = precision_sample(how, local, rows, cols)
-    half = moe.w13_rows // 2
+    half = w13_rows(moe) // 2
     err = ref = 0.0
     decoded = 0
     for e in sample["experts"]:
@@ -233,7 +234,7 @@ def prepared_weight_precision(layer, tensors: dict, how: str = "sample") -> dict
                     if prefix == "w13" and moe.is_act_and_mul:
                         # The kernel's [w3; w1]: its row p is checkpoint row
                         # p + I (w3) or p - I (w1).
-                        kernel_rows = (kernel_rows + half) % moe.w13_rows
+                        kernel_rows = (kernel_rows + half) % w13_rows(moe)
                     want = _checkpoint_rows(tensors, prefix, e, kernel_rows, c0, c1)
                     err += float((got - want).square().sum())
                     ref += float(want.square().sum())

@@ -88,7 +88,7 @@ def _w4a16_layer(preset: MoEModelPreset, device, tensors, cap: int):
         num_experts=preset.num_experts, top_k=preset.top_k,
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size, activation=preset.activation,
-        quant_config=ModelOptNvFp4Config(quant_mode="w4a16"),
+        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
         moe_backend="flashinfer_b12x_emulated", device=device,
         place_w3w1_at_load=False, experts_kwargs={"max_transient_bytes": cap},
     )  # fmt: skip
@@ -148,7 +148,7 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
                 layer.quant_method.process_weights_after_loading(layer)
 
         def result():
-            pw = layer.quant_method.experts.packed_weights
+            pw = layer.quant_method.experts.prepared
             return {name: getattr(pw, name) for name in PACKED_FIELDS} | {
                 "_layer": layer
             }

@@ -58,7 +58,7 @@ def _make_layer(preset, shard, device, tensors, cap, mode="alpha"):
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size,
         activation=preset.activation,
-        quant_config=ModelOptNvFp4Config(),
+        quant_config=ModelOptNvFp4Config.for_mode(),
         moe_backend="flashinfer_b12x_emulated",
         device=device,
         **shard.layer_kwargs(),
@@ -150,11 +150,7 @@ def _legacy_run(tensors, gated, device, metered):
 
 def _bounded_run(preset, shard, tensors, device, cap, metered, mode="alpha"):
     layer = _make_layer(preset, shard, device, tensors, cap, mode)
-    steps = dict(layer.quant_method.preparation_steps(layer))
-    # Building the kernel object is part of finishing the layer: one step.
-    finalize, kernel = steps.pop("finalize"), steps.pop("kernel")
-    steps["finalize"] = lambda: (finalize(), kernel())
-    steps = list(steps.items())
+    steps = layer.quant_method.preparation_steps(layer)
     # One thread setting around all steps, as process_weights_after_loading.
     with moe_prep_threads(device):
         records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()),

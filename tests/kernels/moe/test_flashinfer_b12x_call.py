@@ -15,16 +15,21 @@ import torch
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
-    FusedMoEQuantConfig,
+    FusedMoEParallelConfig,
+    nvfp4_moe_quant_config,
 )
 from vllm.model_executor.layers.fused_moe.experts import (
-    FlashInferB12xEmulatedExperts,
-    FlashInferB12xExperts,
     flashinfer_b12x_call,
     flashinfer_b12x_moe,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import Support
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_emulated import (
+    FlashInferB12xEmulatedExperts,
+)
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
+    FlashInferB12xExperts,
+)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.fused_moe.modular_kernel import Support
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
 E, H, I, TOPK = 8, 256, 128, 2  # noqa: E741
@@ -33,14 +38,21 @@ E, H, I, TOPK = 8, 256, 128, 2  # noqa: E741
 @pytest.fixture
 def sm12x(monkeypatch):
     """The real backend's device gate answers yes (nothing else changes)."""
-    monkeypatch.setattr(FlashInferB12xExperts, "is_supported_device",
-                        classmethod(lambda cls, device: Support.yes()))  # fmt: skip
+    monkeypatch.setattr(
+        FlashInferB12xExperts, "_supports_current_device", staticmethod(lambda: True)
+    )
 
 
 def _layer(backend="flashinfer_b12x", **kwargs):
-    args = dict(num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
-                quant_config=ModelOptNvFp4Config(), moe_backend=backend,
-                device="cpu")  # fmt: skip
+    args = dict(
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend=backend,
+        device="cpu",
+    )
     args.update(kwargs)
     return FusedMoE(**args)
 
@@ -69,52 +81,75 @@ def test_kernel_backend_refuses_at_construction(sm12x, case):
     _layer()
 
 
-@pytest.mark.parametrize("case", ["ep_size", "intermediate"])
+def _moe(**kwargs) -> FusedMoEConfig:
+    args = dict(
+        num_experts=E,
+        experts_per_token=TOPK,
+        hidden_dim=H,
+        intermediate_size=I,
+        num_local_experts=E,
+        activation=MoEActivation.SILU,
+        moe_parallel_config=FusedMoEParallelConfig(),
+    )
+    args.update(kwargs)
+    return FusedMoEConfig(**args)
+
+
+def _w4a4_config():
+    return nvfp4_moe_quant_config(None, None, None, None, None, None)
+
+
+@pytest.mark.parametrize("case", ["expert parallel", "intermediate"])
 def test_experts_check_their_config_when_created(case):
     # Directly, as a modular-kernel user would build them.
-    moe = dict(num_experts=E, experts_per_token=TOPK, hidden_dim=H,
-               intermediate_size_per_partition=I,
-               activation=MoEActivation.SILU)  # fmt: skip
-    if case == "ep_size":
-        moe["ep_size"] = 4
-        want = "ep_size=4.*quant_mode='w4a16'"
+    if case == "expert parallel":
+        config = _moe(
+            num_local_experts=E // 4,
+            moe_parallel_config=FusedMoEParallelConfig(ep_size=4, use_ep=True),
+        )
+        want = "2 of 8 experts on this rank.*quant_mode='w4a16'"
     else:
-        moe["intermediate_size_per_partition"] = 0
+        config = _moe(intermediate_size=8)
         want = "intermediate size per partition must be a positive multiple of 16"
-    config = FusedMoEConfig(**moe)
     with pytest.raises(ValueError, match=want):
-        FlashInferB12xExperts(config, FusedMoEQuantConfig())
-    FlashInferB12xEmulatedExperts(config, FusedMoEQuantConfig())
+        FlashInferB12xExperts(config, _w4a4_config())
+    if case == "expert parallel":
+        FlashInferB12xEmulatedExperts(config, _w4a4_config())
 
 
 def test_every_problem_is_listed_in_one_message():
-    moe = FusedMoEConfig(num_experts=E, experts_per_token=TOPK, hidden_dim=200,
-                         intermediate_size_per_partition=8,
-                         activation=MoEActivation.SILU, in_dtype=torch.float32,
-                         ep_size=2)  # fmt: skip
-    problems = flashinfer_b12x_call.b12x_w4a4_config_problems(moe)
+    moe = _moe(
+        hidden_dim=200,
+        intermediate_size=8,
+        in_dtype=torch.float32,
+        num_local_experts=E // 2,
+        moe_parallel_config=FusedMoEParallelConfig(ep_size=2, use_ep=True),
+    )
+    problems = flashinfer_b12x_call.b12x_config_problems(moe, weight_only=False)
     assert len(problems) == 4, problems
-    ok = FusedMoEConfig(num_experts=E, experts_per_token=TOPK, hidden_dim=H,
-                        intermediate_size_per_partition=I,
-                        activation=MoEActivation.RELU2_NO_MUL)  # fmt: skip
-    assert flashinfer_b12x_call.b12x_w4a4_config_problems(ok) == []
+    ok = _moe(activation=MoEActivation.RELU2_NO_MUL)
+    assert flashinfer_b12x_call.b12x_config_problems(ok, weight_only=False) == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
 def test_max_num_tokens_must_be_a_positive_int(sm12x, bad):
     with pytest.raises(ValueError, match="max_num_tokens"):
-        _layer(experts_kwargs={"max_num_tokens": bad})
+        _layer(max_num_tokens=bad)
 
 
 def test_fold_fallback_warns_once_with_the_reason(sm12x, monkeypatch, caplog):
     reason = "this flashinfer's B12xMoEWrapper.run has no input_global_scale"
-    monkeypatch.setattr(flashinfer_b12x_moe, "flashinfer_takes_input_global_scale",
-                        lambda: Support.no(reason))  # fmt: skip
+    monkeypatch.setattr(
+        flashinfer_b12x_moe,
+        "flashinfer_takes_input_global_scale",
+        lambda: Support.no(reason),
+    )
     flashinfer_b12x_call.warn_fold_fallback.cache_clear()
-    experts = _layer().quant_method.experts
+    layer = _layer()
+    experts = layer.quant_method.experts_for(layer)
     with caplog.at_level(logging.WARNING):
         modes = [experts.effective_global_scale_mode for _ in range(3)]
-        other = _layer().quant_method.experts.effective_global_scale_mode
+        other = _layer().quant_method.global_scale_mode
     assert modes == ["fold"] * 3 and other == "fold"
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
@@ -122,8 +157,11 @@ def test_fold_fallback_warns_once_with_the_reason(sm12x, monkeypatch, caplog):
     assert '"alpha" falls back to "fold"' in warnings[0].getMessage()
     # Control: where the kernel takes the unfolded alpha, no warning.
     caplog.clear()
-    monkeypatch.setattr(flashinfer_b12x_moe, "flashinfer_takes_input_global_scale",
-                        lambda: Support.yes())  # fmt: skip
+    monkeypatch.setattr(
+        flashinfer_b12x_moe,
+        "flashinfer_takes_input_global_scale",
+        lambda: Support.yes(),
+    )
     with caplog.at_level(logging.WARNING):
         assert experts.effective_global_scale_mode == "alpha"
     assert not caplog.records

@@ -29,7 +29,6 @@ from tests.kernels.moe.utils import (
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     FlashInferB12xExperts,
 )
-from vllm.model_executor.layers.fused_moe.modular_kernel import Support
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None,
@@ -42,6 +41,7 @@ E, H, I, TOPK = 8, 256, 256, 2  # noqa: E741
 # Token counts reaching FlashInfer's direct-micro, static and dynamic
 # backends (its own selection, from the routed rows).
 TOKENS = [1, 8, 512]
+MAX_TOKENS = max(TOKENS)  # the wrapper's CUDA-graph buffers are sized for it
 FORWARDS = 100
 
 
@@ -86,8 +86,8 @@ def fi_host(monkeypatch):
     monkeypatch.setattr(md, "_get_direct_micro_kernel", direct)
     monkeypatch.setattr(md.MoEDirectMicroKernel, "launch", staticmethod(compiled))
     # The real backend's device gate (SM12x) is the only thing not run here.
-    monkeypatch.setattr(FlashInferB12xExperts, "is_supported_device",
-                        classmethod(lambda cls, device: Support.yes()))  # fmt: skip
+    monkeypatch.setattr(FlashInferB12xExperts, "_supports_current_device",
+                        staticmethod(lambda: True))  # fmt: skip
     md.clear_sm120_moe_caches()
     yield md, launches
     md.clear_sm120_moe_caches()
@@ -102,12 +102,13 @@ def _cache_sizes(md) -> dict[str, int]:
     }
 
 
-def _layer(mode="alpha", ratios=(1.0, 1.0), **kwargs):
+def _layer(mode="alpha", ratios=(1.0, 1.0), max_num_tokens=MAX_TOKENS, **kwargs):
     w1, w2 = bf16_experts(E, I, H, gated=True, seed=5)
     w1[1::2, I:] *= ratios[1]  # odd experts: up scaled, so s_up != s_gate
     w1[0::2, I:] *= ratios[0]
     tensors = quantize_experts_modelopt(w1, w2, gated=True, shared_w13_scale=False)
     layer = make_nvfp4_layer(E, TOPK, H, I, True, "flashinfer_b12x",
+                             max_num_tokens=max_num_tokens,
                              global_scale_mode=mode, **kwargs)  # fmt: skip
     load_nvfp4_experts(layer, tensors)
     layer.quant_method.process_weights_after_loading(layer)
@@ -133,7 +134,7 @@ def test_this_trees_call_binds_flashinfers_signature(fi_host, monkeypatch):
     monkeypatch.setattr(B12xMoEWrapper, "run", spy)
     layer = _layer()
     experts = layer.quant_method.experts
-    qc = experts.quant_config
+    kernel = experts.prepared
     for seed in range(3):
         layer(*_inputs(8, seed))
     assert len(seen) == 3
@@ -143,12 +144,12 @@ def test_this_trees_call_binds_flashinfers_signature(fi_host, monkeypatch):
         assert args["w2_weight"] is layer.w2_weight
         assert args["w1_weight_sf"] is experts.w1_sf_mma
         assert args["w2_weight_sf"] is experts.w2_sf_mma
-        assert args["w1_alpha"] is qc.g1_alphas
-        assert args["w2_alpha"] is qc.g2_alphas
-        assert args["fc2_input_scale"] is experts._fc2_input_scale
-        assert args["input_global_scale"] is experts._fc1_input_scale
-    assert torch.equal(experts._fc1_input_scale, torch.ones(E))
-    assert torch.equal(experts._fc2_input_scale, torch.ones(E))
+        assert args["w1_alpha"] is kernel.w1_alpha
+        assert args["w2_alpha"] is kernel.w2_alpha
+        assert args["fc2_input_scale"] is kernel.fc2_input_scale
+        assert args["input_global_scale"] is kernel.fc1_input_scale
+    assert torch.equal(kernel.fc1_input_scale, torch.ones(E))
+    assert torch.equal(kernel.fc2_input_scale, torch.ones(E))
     # The wrapper was built for this layer's geometry, W4A4.
     wrapper = experts._wrapper
     assert (wrapper.num_experts, wrapper.top_k, wrapper.hidden_size,
@@ -165,7 +166,9 @@ def test_repeated_forwards_keep_flashinfers_caches(fi_host, tokens, mode):
     out = layer(*_inputs(tokens, 0))  # the first call builds what is cached
     assert out.shape == (tokens, H) and out.dtype == torch.bfloat16
     sizes = _cache_sizes(md)
-    assert sizes["_WEIGHT_CACHE"] >= 1 and sizes["_WORKSPACE_CACHE"] == 1, sizes
+    # The weight views are cached; the workspaces are the wrapper's own
+    # (built for max_num_tokens, CUDA-graph mode, as vLLM runs it).
+    assert sizes["_WEIGHT_CACHE"] >= 1 and sizes["_WORKSPACE_CACHE"] == 0, sizes
     folded = experts._wrapper._folded_w1_alpha
     per_call = set()
     for seed in range(1, FORWARDS + 1):
@@ -179,7 +182,7 @@ def test_repeated_forwards_keep_flashinfers_caches(fi_host, tokens, mode):
     # global scale, in FlashInfer's own tensor, never remade.
     assert experts._wrapper._folded_w1_alpha is folded
     if mode == "alpha":
-        assert torch.equal(folded, experts.quant_config.g1_alphas)
+        assert torch.equal(folded, experts.prepared.w1_alpha)
     else:
         assert folded is None
 
@@ -192,16 +195,16 @@ def test_functional_call_grows_the_weight_cache(fi_host):
     md, _ = fi_host
     layer = _layer()
     experts = layer.quant_method.experts
-    qc = experts.quant_config
+    kernel = experts.prepared
     x, logits = _inputs(8, 0)
     weights, ids = torch.softmax(logits, -1).topk(TOPK)
     sizes = []
     for _ in range(5):
         b12x_fused_moe(
             x, layer.w13_weight, experts.w1_sf_mma, layer.w2_weight, experts.w2_sf_mma,
-            ids.int(), weights, E, TOPK, w1_alpha=qc.g1_alphas, w2_alpha=qc.g2_alphas,
-            fc2_input_scale=experts._fc2_input_scale,
-            input_global_scale=experts._fc1_input_scale,
+            ids.int(), weights, E, TOPK, w1_alpha=kernel.w1_alpha,
+            w2_alpha=kernel.w2_alpha, fc2_input_scale=kernel.fc2_input_scale,
+            input_global_scale=kernel.fc1_input_scale,
         )  # fmt: skip
         sizes.append(_cache_sizes(md)["_WEIGHT_CACHE"])
     assert sizes == sorted(sizes) and sizes[-1] >= sizes[0] + 4, sizes
@@ -222,10 +225,10 @@ def test_weight_views_reuse_this_trees_scale_storage(fi_host):
                            param.reshape(-1).view(torch.uint8))  # fmt: skip
     # The alphas FlashInfer multiplies by: the gate's scale, and w2's with
     # the up/gate ratio (1.37 and 0.6 here).
-    qc = experts.quant_config
+    kernel = experts.prepared
     assert views.w1_alpha.data_ptr() == experts._wrapper._folded_w1_alpha.data_ptr()
-    assert torch.equal(views.w1_alpha, qc.g1_alphas)
-    assert views.w2_alpha is qc.g2_alphas
+    assert torch.equal(views.w1_alpha, kernel.w1_alpha)
+    assert views.w2_alpha is kernel.w2_alpha
 
 
 def test_cuda_graph_capture_after_warm_up_prepares_nothing(fi_host, monkeypatch):

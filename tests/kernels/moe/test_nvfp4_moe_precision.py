@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.kernels.moe.utils import dequantized_checkpoint_layer, rel_rms_error
+from tests.kernels.utils import torch_moe
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
-from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
@@ -76,10 +76,15 @@ def _inputs(std: float):
 
 def _prepared(ckpt, mode: str) -> FusedMoE:
     layer = FusedMoE(
-        num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
-        quant_config=ModelOptNvFp4Config(), moe_backend="flashinfer_b12x_emulated",
-        device="cpu", experts_kwargs={"weights_only": True, "global_scale_mode": mode},
-    )  # fmt: skip
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend="flashinfer_b12x_emulated",
+        device="cpu",
+        experts_kwargs={"weights_only": True, "global_scale_mode": mode},
+    )
     ckpt.load_layer(layer, 0)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
@@ -87,15 +92,20 @@ def _prepared(ckpt, mode: str) -> FusedMoE:
 
 def _errors(tmp_path, fmt, std, shared, ratios=None):
     w13, w2 = _experts(std, seed=int(1000 * std) + shared, ratios=ratios)
-    cfg = {"hidden_size": H, "num_experts": E, "num_experts_per_tok": TOPK,
-           "moe_intermediate_size": I}  # fmt: skip
-    write_nvfp4_moe_checkpoint(tmp_path, {0: (w13, w2)}, cfg, fmt=fmt,
-                               shared_w13_global_scale=shared)  # fmt: skip
+    cfg = {
+        "hidden_size": H,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": I,
+    }
+    write_nvfp4_moe_checkpoint(
+        tmp_path, {0: (w13, w2)}, cfg, fmt=fmt, shared_w13_global_scale=shared
+    )
     ckpt = NVFP4MoECheckpoint(tmp_path)
     x, logits = _inputs(std)
     dw13, dw2 = dequantized_checkpoint_layer(ckpt, 0, gated=True)
-    ref = fused_moe(x, dw13, dw2, logits, TOPK, renormalize=True)
-    swapped = fused_moe(x, split_cat_halves(dw13, 1), dw2, logits, TOPK, True)
+    ref = torch_moe(x, dw13, dw2, logits, TOPK, renormalize=True)
+    swapped = torch_moe(x, split_cat_halves(dw13, 1), dw2, logits, TOPK, True)
     out = {m: _prepared(ckpt, m)(x, logits) for m in ("alpha", "fold")}
     return (
         {m: rel_rms_error(o, ref) for m, o in out.items()},
@@ -124,8 +134,11 @@ def test_alpha_mode_computes_the_checkpoints_function(tmp_path, fmt, std):
 
 def _checkpoint_w13_block_scales(ckpt) -> torch.Tensor:
     """Layer 0's w13 block scales [E, 2I, H/16] ([gate; up]) as stored."""
-    parts = {(e, proj): t for _, e, proj, suffix, t in ckpt.iter_layer_tensors(0)
-             if suffix == "weight_scale"}  # fmt: skip
+    parts = {
+        (e, proj): t
+        for _, e, proj, suffix, t in ckpt.iter_layer_tensors(0)
+        if suffix == "weight_scale"
+    }
     return torch.stack(
         [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]]) for e in range(E)]
     )
@@ -134,8 +147,9 @@ def _checkpoint_w13_block_scales(ckpt) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
 @pytest.mark.parametrize("std", [1.0, 0.02, 0.005])
 def test_differing_gate_up_scales_are_exact_in_alpha_mode(tmp_path, fmt, std):
-    err, swapped, ckpt = _errors(tmp_path, fmt, std, shared=False,
-                                 ratios=UP_GATE_RATIOS)  # fmt: skip
+    err, swapped, ckpt = _errors(
+        tmp_path, fmt, std, shared=False, ratios=UP_GATE_RATIOS
+    )
     layer = _prepared(ckpt, "alpha")
     # The checkpoint has the ratios asked for (BF16 rounding of the amax:
     # <= 2^-8 relative); columns [w3, w1] as the loader placed them.
@@ -145,9 +159,9 @@ def test_differing_gate_up_scales_are_exact_in_alpha_mode(tmp_path, fmt, std):
     torch.testing.assert_close(ratio, want, rtol=1 / 128, atol=0)
     assert err["alpha"] < DIFFERING_TOL, err
     # w1_alpha is the gate's own scale; w2_alpha carries the ratio.
-    qc = layer.quant_method.experts.quant_config
-    assert torch.equal(qc.g1_alphas, s2[:, 1])
-    assert torch.equal(qc.g2_alphas, layer.w2_weight_scale_2 * ratio)
+    kernel = layer.quant_method.experts.prepared
+    assert torch.equal(kernel.w1_alpha, s2[:, 1])
+    assert torch.equal(kernel.w2_alpha, layer.w2_weight_scale_2 * ratio)
     # Nothing rewritten: the prepared block scales are the checkpoint's own,
     # reordered to [up; gate] and swizzled, byte for byte.
     stored = split_cat_halves(_checkpoint_w13_block_scales(ckpt), 1)
@@ -161,8 +175,8 @@ def test_differing_gate_up_scales_are_exact_in_alpha_mode(tmp_path, fmt, std):
     assert swapped > 20 * DIFFERING_TOL, swapped
     x, logits = _inputs(std)
     dw13, dw2 = dequantized_checkpoint_layer(ckpt, 0, gated=True)
-    ref = fused_moe(x, dw13, dw2, logits, TOPK, renormalize=True)
-    qc.g2_alphas.copy_(layer.w2_weight_scale_2)
+    ref = torch_moe(x, dw13, dw2, logits, TOPK, renormalize=True)
+    kernel.w2_alpha.copy_(layer.w2_weight_scale_2)
     dropped = rel_rms_error(layer(x, logits), ref)
     assert dropped > 10 * DIFFERING_TOL, dropped
     if std <= 0.02:

@@ -372,13 +372,13 @@ def test_reload_after_a_failed_preparation():
     shape = SHAPES[0]
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
     layer = _layer(shape, old, global_scale_mode="fold")
-    layer.quant_method.experts.max_transient_bytes = 2048  # the fold refuses it
+    layer.quant_method.experts_kwargs["max_transient_bytes"] = 2048  # fold refuses
     with pytest.raises(ValueError, match="max_transient_bytes"):
         _prepare(layer)
     # A partial reload: no re-run of the failing preparation, and the
     # experts not reloaded keep their bytes (the layer is not torn).
     _load_through_loader(layer, new, experts=[1])
-    layer.quant_method.experts.max_transient_bytes = CAP
+    layer.quant_method.experts_kwargs["max_transient_bytes"] = CAP
     want = _fresh(shape, _mixed(old, new, [1]), global_scale_mode="fold")
     _assert_same(_snapshot(_prepare(layer)), _snapshot(want))
 
@@ -450,7 +450,7 @@ def test_scale_replaced_without_recorded_room_then_prepared():
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
 
 
-def test_emulation_quantizes_each_experts_input_with_its_a1_gscale():
+def test_emulation_quantizes_each_experts_input_with_its_fc1_input_scale():
     shape = SHAPES[0]
     e, h, i, gated = shape
     layer = make_nvfp4_layer(
@@ -460,12 +460,12 @@ def test_emulation_quantizes_each_experts_input_with_its_a1_gscale():
     _prepare(layer)
     x, logits = _io(shape)
     base = layer(x, logits)
-    qc = layer.quant_method.experts.quant_config
+    kernel = layer.quant_method.experts.prepared
     # Powers of two scale the FP8 block scales exactly: the same output.
-    qc.a1_gscale = torch.tensor([4.0, 0.5, 2.0])
+    kernel.fc1_input_scale.copy_(torch.tensor([4.0, 0.5, 2.0]))
     assert torch.equal(layer(x, logits), base)
     # 3 for expert 2 only: exactly the tokens routed to expert 2 change.
-    qc.a1_gscale = torch.tensor([1.0, 1.0, 3.0])
+    kernel.fc1_input_scale.copy_(torch.tensor([1.0, 1.0, 3.0]))
     out = layer(x, logits)
     _, ids = fused_topk(x, logits, 2, True)
     routed = (ids == 2).any(dim=1)

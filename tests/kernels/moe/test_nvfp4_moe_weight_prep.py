@@ -14,7 +14,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import DEVICES, bytes_of, random_bits
+from tests.kernels.utils import DEVICES, bytes_of, random_bits, torch_moe
 from vllm.benchmarks.legacy_moe_prep import (
     legacy_fold,
     legacy_preparation_steps,
@@ -23,7 +23,6 @@ from vllm.benchmarks.legacy_moe_prep import (
 from vllm.benchmarks.moe_model_presets import get_preset
 from vllm.benchmarks.moe_prep_precision import prepared_weight_precision
 from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
 )
@@ -83,8 +82,8 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
     ``mode="fold"``: every global scale folded into the block scales, then 1.
     ``mode="alpha"``: every block scale as loaded (reordered and swizzled
     only). The [E, 2] global scales stay as loaded.
-    Also the kernel's alphas: ``g1_alphas`` = the gate's (w1's) global
-    scale, ``g2_alphas`` = w2's times s_w3 / s_w1 (1 and 1 after a fold)."""
+    Also the kernel's alphas: ``w1_alpha`` = the gate's (w1's) global
+    scale, ``w2_alpha`` = w2's times s_w3 / s_w1 (1 and 1 after a fold)."""
     s13, s2 = t["w13_weight_scale"].cpu(), t["w2_weight_scale"].cpu()
     g13, g2 = t["w13_weight_scale_2"].cpu(), t["w2_weight_scale_2"].cpu()
     if mode == "fold":
@@ -103,8 +102,8 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
         "w2_weight_scale": swizzle_blockscale(s2),
         "w13_weight_scale_2": g13.contiguous(),
         "w2_weight_scale_2": g2,
-        "g1_alphas": alpha1,
-        "g2_alphas": alpha2,
+        "w1_alpha": alpha1,
+        "w2_alpha": alpha2,
     }
 
 
@@ -130,7 +129,7 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
     before = {name: p for name, p in layer.named_parameters()}
     storages = {n: p.untyped_storage().data_ptr() for n, p in before.items()}
     layer.quant_method.process_weights_after_loading(layer)
-    alphas = {k: want.pop(k) for k in ("g1_alphas", "g2_alphas")}
+    alphas = {k: want.pop(k) for k in ("w1_alpha", "w2_alpha")}
     for name, expected in want.items():
         got = getattr(layer, name).detach().cpu()
         assert got.shape == expected.shape, name
@@ -144,19 +143,20 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
     for name in ("w13_weight_scale", "w2_weight_scale"):
         new, old = getattr(layer, name), storages[name]
         assert new.untyped_storage().data_ptr() == old
-    # The quant config holds the swizzled scales themselves (as upstream);
+    # The quant config holds the scale parameters themselves (as upstream);
     # the kernel's MMA-layout views, on the experts, read the same bytes.
     experts = layer.quant_method.experts
     qc = experts.quant_config
     assert qc.w1_scale is layer.w13_weight_scale
     assert qc.w2_scale is layer.w2_weight_scale
+    assert qc.g1_alphas is layer.w13_weight_scale_2
     assert experts.w1_sf_mma.data_ptr() == layer.w13_weight_scale.data_ptr()
     assert experts.w2_sf_mma.data_ptr() == layer.w2_weight_scale.data_ptr()
     # The kernel's alphas: the gate's global scale, and w2's carrying the
     # up/gate ratio (random scales here: every expert's differ); 1 after a
     # fold.
-    assert torch.equal(qc.g1_alphas.cpu(), alphas["g1_alphas"])
-    assert torch.equal(qc.g2_alphas.cpu(), alphas["g2_alphas"])
+    assert torch.equal(experts.prepared.w1_alpha.cpu(), alphas["w1_alpha"])
+    assert torch.equal(experts.prepared.w2_alpha.cpu(), alphas["w2_alpha"])
 
 
 def test_separate_w1_w3_global_scales_are_exact():
@@ -175,7 +175,7 @@ def test_separate_w1_w3_global_scales_are_exact():
     x = torch.randn(32, h, generator=gen).bfloat16()
     logits = torch.randn(32, e, generator=gen)
     dw1, dw2 = dequantized_experts(tensors, gated=True)
-    ref = fused_moe(x, dw1, dw2, logits, topk, renormalize=True)
+    ref = torch_moe(x, dw1, dw2, logits, topk, renormalize=True)
     out = layer(x, logits)
     # Tolerance: the weights-only tolerance of test_flashinfer_b12x_moe (0.01):
     # the up/gate ratio rides on w2_alpha, no block scale is rewritten.
@@ -192,7 +192,7 @@ def test_separate_w1_w3_global_scales_are_exact():
     dropped = dict(tensors)
     dropped["w13_weight_scale_2"] = s2[:, :1].expand(e, 2).contiguous()
     dw1_dropped, _ = dequantized_experts(dropped, gated=True)
-    ref_dropped = fused_moe(x, dw1_dropped, dw2, logits, topk, renormalize=True)
+    ref_dropped = torch_moe(x, dw1_dropped, dw2, logits, topk, renormalize=True)
     assert rel_rms_error(out, ref_dropped) > 0.5
     # ...and the legacy fold's scale bytes do differ from the exact ones.
     legacy = legacy_fold(tensors["w13_weight_scale"], s2)
@@ -224,9 +224,9 @@ def test_whole_preparation_of_a_real_layer_stays_within_cap(model, cap, device):
     assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"
     # ...and it produced the right bytes, not only a small peak.
     want = whole_tensor_preparation(tensors, preset.is_gated)
-    qc = layer.quant_method.experts.quant_config
-    for key in ("g1_alphas", "g2_alphas"):
-        assert torch.equal(getattr(qc, key).cpu(), want.pop(key)), key
+    kernel = layer.quant_method.experts.prepared
+    for key in ("w1_alpha", "w2_alpha"):
+        assert torch.equal(getattr(kernel, key).cpu(), want.pop(key)), key
     for name, expected in want.items():
         got = getattr(layer, name).detach().cpu().contiguous()
         assert torch.equal(bytes_of(got), bytes_of(expected)), name

@@ -1,12 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Helpers for the MoE tests: BF16 experts, their NVFP4 ModelOpt tensors, layers."""
+"""Helpers for the MoE tests: BF16 experts, their NVFP4 ModelOpt tensors, layers.
+
+Two ways to a prepared layer: this tree's ``FusedMoE`` (``make_nvfp4_layer``,
+with its weight loader, reloads and state dicts), or vLLM's modular-kernel
+interface alone (``NVFP4ExpertsLayer``, ``b12x_moe_config``,
+``b12x_quant_config``, ``b12x_kernel``): the experts built and called as
+vLLM's oracle builds and calls them, which runs the same in vLLM 0.33.0 with
+this branch (``tests/upstream``)."""
 
 from __future__ import annotations
 
 import torch
 
+import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    FusedMoEQuantConfig,
+    RoutingMethodType,
+    nvfp4_moe_quant_config,
+    nvfp4_w4a16_moe_quant_config,
+)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
+    MoEPrepareAndFinalizeNoDPEPModular,
+)
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
@@ -17,6 +37,10 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 )
 
 __all__ = [
+    "NVFP4ExpertsLayer",
+    "b12x_kernel",
+    "b12x_moe_config",
+    "b12x_quant_config",
     "bf16_experts",
     "dequantized_checkpoint_layer",
     "dequantized_experts",
@@ -137,7 +161,7 @@ def dequantized_checkpoint_layer(ckpt, layer_idx: int, gated: bool):
 
 
 def make_nvfp4_layer(
-    e, topk, k, n, gated, backend, device="cpu", **experts_kwargs
+    e, topk, k, n, gated, backend, device="cpu", max_num_tokens=256, **experts_kwargs
 ) -> FusedMoE:
     """A FusedMoE NVFP4 layer in checkpoint layout ([w1; w3], no load-time
     placement), for :func:`load_nvfp4_experts` to copy tensors into."""
@@ -147,12 +171,13 @@ def make_nvfp4_layer(
         hidden_size=k,
         intermediate_size=n,
         activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config(),
+        quant_config=ModelOptNvFp4Config.for_mode(),
         moe_backend=backend,
         params_dtype=torch.bfloat16,
         device=device,
         place_w3w1_at_load=False,  # load_nvfp4_experts copies checkpoint layout
         experts_kwargs=experts_kwargs,
+        max_num_tokens=max_num_tokens,
     )
 
 
@@ -168,3 +193,71 @@ def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| over all elements, in float32."""
     out, ref = out.float(), ref.float()
     return ((out - ref).norm() / ref.norm()).item()
+
+
+# -- the experts through vLLM's modular-kernel interface ------------------------
+
+
+def b12x_moe_config(
+    e: int,
+    topk: int,
+    h: int,
+    i: int,
+    activation: MoEActivation,
+    max_num_tokens: int = 256,
+) -> FusedMoEConfig:
+    """A one-rank ``FusedMoEConfig`` given the fields vLLM's requires."""
+    return FusedMoEConfig(
+        num_experts=e,
+        experts_per_token=topk,
+        hidden_dim=h,
+        intermediate_size=i,
+        num_local_experts=e,
+        num_logical_experts=e,
+        activation=activation,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=torch.bfloat16,
+        max_num_tokens=max_num_tokens,
+    )
+
+
+class NVFP4ExpertsLayer(torch.nn.Module):
+    """The parameters an NVFP4 MoE quant method leaves for the experts to
+    prepare (ModelOpt names, load layout: w13 rows [w1; w3], per-shard
+    ``w13_weight_scale_2`` [E, G]), made from :func:`quantize_experts_modelopt`
+    tensors (copied)."""
+
+    def __init__(self, tensors: dict, activation: MoEActivation):
+        super().__init__()
+        self.activation = activation
+        for name, value in tensors.items():
+            data = value.detach().clone().contiguous()
+            self.register_parameter(name, torch.nn.Parameter(data, requires_grad=False))
+
+
+def b12x_quant_config(layer: torch.nn.Module, weight_only: bool) -> FusedMoEQuantConfig:
+    """The quant config vLLM's oracle gives the b12x experts: the layer's
+    scale parameters themselves, the FC1/FC2 input global scales of 1."""
+    if weight_only:
+        return nvfp4_w4a16_moe_quant_config(
+            g1_alphas=layer.w13_weight_scale_2,
+            g2_alphas=layer.w2_weight_scale_2,
+            w1_scale=layer.w13_weight_scale,
+            w2_scale=layer.w2_weight_scale,
+        )
+    e = layer.w13_weight.shape[0]
+    return nvfp4_moe_quant_config(
+        g1_alphas=layer.w13_weight_scale_2,
+        g2_alphas=layer.w2_weight_scale_2,
+        a1_gscale=torch.ones(e),
+        a2_gscale=torch.ones(e),
+        w1_scale=layer.w13_weight_scale,
+        w2_scale=layer.w2_weight_scale,
+    )
+
+
+def b12x_kernel(experts: mk.FusedMoEExpertsModular) -> mk.FusedMoEKernel:
+    """The modular kernel of one device: no dispatch, ``experts``."""
+    return mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)

@@ -338,7 +338,7 @@ class NVFP4MoECheckpoint:
             ModelOptNvFp4Config,
         )
 
-        return ModelOptNvFp4Config(quant_mode=self.quant_mode(layer_idx))
+        return ModelOptNvFp4Config.for_mode(self.quant_mode(layer_idx))
 
     # -- reading ------------------------------------------------------------------
     def _weight_map(self) -> dict[str, str]:

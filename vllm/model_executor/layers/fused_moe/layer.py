@@ -20,8 +20,11 @@ from vllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
-from vllm.model_executor.layers.fused_moe.experts import get_nvfp4_experts_class
+from vllm.model_executor.layers.fused_moe.config import (
+    DEFAULT_MAX_NUM_TOKENS,
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+)
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
@@ -45,7 +48,7 @@ class FusedMoE(torch.nn.Module):
 
         layer = FusedMoE(num_experts=E, top_k=K, hidden_size=H,
                          intermediate_size=I, activation="silu",
-                         quant_config=ModelOptNvFp4Config(),
+                         quant_config=ModelOptNvFp4Config.for_mode(),
                          moe_backend="flashinfer_b12x_emulated")
         ...  # load w13_weight, w13_weight_scale, ... (see the quant method)
         layer.quant_method.process_weights_after_loading(layer)
@@ -58,7 +61,10 @@ class FusedMoE(torch.nn.Module):
             ``"flashinfer_b12x_emulated"`` (torch, any device). Asking for a
             backend that cannot run here raises ValueError with the reason.
         experts_kwargs: extra options of the experts class (e.g.
-            ``max_transient_bytes``, or ``weights_only`` for the emulation).
+            ``max_transient_bytes``, ``global_scale_mode``, or
+            ``weights_only`` for the emulation).
+        max_num_tokens: the most tokens one forward takes (the kernel's
+            CUDA-graph buffers are sized for it).
         renormalize: renormalize the top-k routing weights to sum to 1.
         tp_rank, tp_size: tensor parallelism along I (the loader shards).
             Default: this process's place in the tensor-parallel group when
@@ -102,13 +108,14 @@ class FusedMoE(torch.nn.Module):
         reduce_results: bool = False,
         place_w3w1_at_load: bool | None = None,
         experts_kwargs: dict[str, Any] | None = None,
+        max_num_tokens: int = DEFAULT_MAX_NUM_TOKENS,
         prefix: str = "",
     ):
         super().__init__()
         if quant_config is None:
             raise ValueError(
                 "FusedMoE in this tree supports NVFP4 experts only: pass "
-                "quant_config=ModelOptNvFp4Config()"
+                "quant_config=ModelOptNvFp4Config.for_mode()"
             )
         tp_rank, tp_size, ep_rank, ep_size = _resolve_parallelism(
             tp_rank, tp_size, ep_rank, ep_size, enable_expert_parallel
@@ -140,37 +147,50 @@ class FusedMoE(torch.nn.Module):
         # This rank owns the contiguous global experts [first, first + local).
         self._first_expert = ep_rank * self.local_num_experts
         self.moe_config = FusedMoEConfig(
-            num_experts=self.local_num_experts,
+            num_experts=num_experts,
             experts_per_token=top_k,
             hidden_dim=hidden_size,
-            intermediate_size_per_partition=intermediate_size // tp_size,
+            intermediate_size=intermediate_size,
+            num_local_experts=self.local_num_experts,
             activation=MoEActivation.from_str(activation),
+            moe_parallel_config=FusedMoEParallelConfig(
+                tp_size=tp_size,
+                tp_rank=tp_rank,
+                ep_size=ep_size,
+                ep_rank=ep_rank,
+                use_ep=ep_size > 1,
+            ),
             in_dtype=params_dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            ep_size=ep_size,
+            device=device,
+            moe_backend=moe_backend,
+            max_num_tokens=max_num_tokens,
         )
         self.top_k = top_k
         self.renormalize = renormalize
         self.params_dtype = params_dtype
         self.moe_backend = moe_backend
-        self.experts_kwargs = dict(experts_kwargs or {})
         self.prefix = prefix
-        quant_mode = getattr(quant_config, "quant_mode", "w4a4")
-        experts_cls = get_nvfp4_experts_class(moe_backend, quant_mode)
-        experts_cls.check_supported(self.moe_config, "nvfp4", device)
-        if ep_size > 1 and not experts_cls.supports_expert_parallel():
-            raise ValueError(
-                f"MoE backend {moe_backend!r} does not support expert parallelism "
-                f"(ep_size={ep_size})"
+        #: int32 [global experts]: this rank's index of each, -1 for the
+        #: experts of other ranks; None when this rank holds all of them.
+        expert_map = None
+        if ep_size > 1:
+            expert_map = torch.full((num_experts,), -1, dtype=torch.int32,
+                                    device=device)  # fmt: skip
+            first, n = self._first_expert, self.local_num_experts
+            expert_map[first : first + n] = torch.arange(
+                n, dtype=torch.int32, device=device
             )
+        self.register_buffer("expert_map", expert_map, persistent=False)
+        # The quant method selects the backend: ValueError with the reason
+        # when it cannot run this layer here (or with these experts_kwargs).
+        self.quant_method = quant_config.get_quant_method(self, prefix)
+        self.quant_method.set_experts_kwargs(dict(experts_kwargs or {}))
         # Backends that want [w3; w1] get it from the loader: w3 goes to the
         # first half directly and the preparation skips the reorder.
         if place_w3w1_at_load is None:
-            place_w3w1_at_load = experts_cls.wants_w3w1
+            place_w3w1_at_load = True
         #: w13 rows hold [w3; w1] (set at load, or by the reorder).
         self.w13_loaded_as_w3w1 = bool(place_w3w1_at_load) and self.activation.is_gated
-        self.quant_method = quant_config.get_quant_method(self, prefix)
         # Upstream also passes weight_loader=self.weight_loader, set on each
         # parameter; not here: a bound method on a parameter of the same layer
         # is a reference cycle, and a dropped layer's weights would then wait
@@ -370,12 +390,6 @@ class FusedMoE(torch.nn.Module):
         topk_weights, topk_ids = fused_topk(
             hidden_states, router_logits, self.top_k, self.renormalize
         )
-        experts = getattr(self.quant_method, "experts", None)
-        if self.ep_size > 1 and not getattr(experts, "takes_global_expert_ids", False):
-            # Global -> local expert ids; experts of other ranks become -1.
-            local = topk_ids - self._first_expert
-            owned = (local >= 0) & (local < self.local_num_experts)
-            topk_ids = torch.where(owned, local, torch.full_like(local, -1))
         out = self.quant_method.apply(
             self, hidden_states.to(self.params_dtype), topk_weights, topk_ids
         )
@@ -419,7 +433,7 @@ class FusedMoE(torch.nn.Module):
         return {
             "num_experts": self.global_num_experts,
             "hidden_size": moe.hidden_dim,
-            "intermediate_size": moe.intermediate_size_per_partition * moe.tp_size,
+            "intermediate_size": moe.intermediate_size,
             "top_k": self.top_k,
             "activation": list(MoEActivation).index(moe.activation),
             "renormalize": int(self.renormalize),
@@ -449,7 +463,7 @@ class FusedMoE(torch.nn.Module):
         if facts is not None and state is not None:
             if state.status is PrepStatus.PREPARED:
                 # The kernel's views of the copy's own parameters.
-                self.quant_method.experts._bind_prepared(self)
+                self.quant_method.experts.bind_prepared(self)
             state.after_copy(self, facts)
 
     def get_extra_state(self) -> dict:

@@ -2,12 +2,15 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The modular MoE kernel: prepare/finalize (communication) + experts (compute).
 
-::
+The part of vLLM's modular-kernel interface the NVFP4 experts are written
+against (names and signatures as vLLM 0.33.0's)::
 
-    FusedMoEKernel.forward(x, topk_weights, topk_ids)
-      -> prepare_finalize.prepare(...)     # single device: nothing to do
-      -> experts.apply(...)                # the expert GEMMs
-      -> prepare_finalize.finalize(...)    # single device: nothing to do
+    FusedMoEKernel(prepare_finalize, fused_experts).apply(
+        hidden_states, w1, w2, topk_weights, topk_ids, activation,
+        global_num_experts, expert_map, apply_router_weight_on_input)
+      -> prepare_finalize.prepare(...)          # single device: nothing to do
+      -> fused_experts.apply(output, ...)       # writes output [M, K]
+      -> prepare_finalize.finalize(...)         # top-k weight and reduce
 
 An experts implementation also owns the weight layout it needs:
 ``process_weights_after_loading(layer)`` turns the checkpoint layout of the
@@ -18,130 +21,325 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
+    FusedMoEParallelConfig,
     FusedMoEQuantConfig,
 )
+from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
+from vllm.platforms import current_platform
 
 __all__ = [
+    "ExpertTokensMetadata",
+    "FusedMoEActivationFormat",
     "FusedMoEExperts",
+    "FusedMoEExpertsModular",
     "FusedMoEKernel",
     "FusedMoEPrepareAndFinalize",
-    "MoEPrepareAndFinalizeNoEP",
-    "Support",
+    "FusedMoEPrepareAndFinalizeModular",
+    "PrepareResultType",
+    "TopKWeightAndReduce",
 ]
 
 
-@dataclass(frozen=True)
-class Support:
-    """Answer of a capability predicate: truthy when supported, else a reason."""
+class FusedMoEActivationFormat(Enum):
+    """Standard: [tokens, hidden]; BatchedExperts: [experts, max tokens, hidden]."""
 
-    ok: bool
-    reason: str = ""
+    Standard = ("standard",)
+    BatchedExperts = ("batched_experts",)
 
-    def __bool__(self) -> bool:
-        return self.ok
 
-    @classmethod
-    def yes(cls) -> Support:
-        return cls(True)
+@dataclass
+class ExpertTokensMetadata:
+    """Tokens per local expert (batched formats); unused on one device."""
 
-    @classmethod
-    def no(cls, reason: str) -> Support:
-        return cls(False, reason)
+    expert_num_tokens: torch.Tensor | None
+    expert_num_tokens_cpu: torch.Tensor | None
+
+
+#: (a1q, a1q_scale, expert_tokens_meta, topk_ids, topk_weights); None entries
+#: mean "unchanged".
+PrepareResultType = tuple[
+    torch.Tensor,
+    torch.Tensor | None,
+    ExpertTokensMetadata | None,
+    torch.Tensor | None,
+    torch.Tensor | None,
+]
+
+
+class TopKWeightAndReduce(ABC):
+    """Applies the top-k weights to the experts' output and reduces over k."""
+
+    @abstractmethod
+    def apply(
+        self,
+        output: torch.Tensor | None,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+    ) -> torch.Tensor: ...
 
 
 class FusedMoEPrepareAndFinalize(ABC):
     """Moves tokens to the experts and results back (all-to-all under EP)."""
 
+    @property
+    @abstractmethod
+    def activation_format(self) -> FusedMoEActivationFormat: ...
+
+    @abstractmethod
+    def topk_indices_dtype(self) -> torch.dtype | None: ...
+
+    @abstractmethod
+    def max_num_tokens_per_rank(self) -> int | None: ...
+
+    @abstractmethod
+    def num_dispatchers(self) -> int: ...
+
+    @abstractmethod
+    def output_is_reduced(self) -> bool: ...
+
+
+class FusedMoEPrepareAndFinalizeModular(FusedMoEPrepareAndFinalize):
+    """Prepare/finalize on top-k ids and weights."""
+
     @abstractmethod
     def prepare(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+        self,
+        a1: torch.Tensor,
+        topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Returns the (hidden_states, topk_weights, topk_ids) the experts see."""
+        num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        quant_config: FusedMoEQuantConfig,
+        defer_input_quant: bool = False,
+    ) -> PrepareResultType: ...
 
     @abstractmethod
-    def finalize(self, expert_output: torch.Tensor) -> torch.Tensor:
-        """Returns the layer output [T, H] from the experts' output."""
-
-
-class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalize):
-    """Single device: tokens are already where the experts are."""
-
-    def prepare(self, hidden_states, topk_weights, topk_ids):
-        return hidden_states, topk_weights, topk_ids
-
-    def finalize(self, expert_output):
-        return expert_output
+    def finalize(
+        self,
+        output: torch.Tensor,
+        fused_expert_output: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        apply_router_weight_on_input: bool,
+        weight_and_reduce_impl: TopKWeightAndReduce,
+    ) -> None: ...
 
 
 class FusedMoEExperts(ABC):
-    """Base class of expert implementations.
+    """Base class of expert implementations: capability predicates for the
+    backend selection, the weight preparation, the computation."""
 
-    Subclasses answer the capability predicates (each returns a
-    :class:`Support` with a reason when the answer is no), prepare the
-    layer's weights once in ``process_weights_after_loading`` and compute in
-    ``apply``.
-    """
-
-    #: Backend name used by ``FusedMoE(moe_backend=...)``.
-    name: str = ""
-    #: Whether the kernel wants gated FC1 weights as [w3; w1] (up first).
-    wants_w3w1: bool = False
-    #: Whether the preparation swizzles the FP8 block scales (128x4): the
-    #: scale parameters are then created with room for the padded result.
-    swizzles_block_scales: bool = False
-
-    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
+    def __init__(
+        self,
+        moe_config: FusedMoEConfig,
+        quant_config: FusedMoEQuantConfig,
+        max_num_tokens: int | None = None,
+        num_dispatchers: int | None = None,
+    ):
+        if self.activation_format() == FusedMoEActivationFormat.Standard and (
+            max_num_tokens is not None or num_dispatchers is not None
+        ):
+            raise ValueError(
+                "max_num_tokens and num_dispatchers should only be set for "
+                "BatchedExperts activation format."
+            )
         self.moe_config = moe_config
         self.quant_config = quant_config
+        self.max_num_tokens = max_num_tokens
+        self.num_dispatchers = num_dispatchers
 
-    # -- capability predicates ------------------------------------------------
-    @classmethod
-    @abstractmethod
-    def is_supported_device(cls, device: torch.device) -> Support: ...
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:  # noqa: B027
+        """Rearrange ``layer``'s loaded parameters for this kernel."""
 
-    @classmethod
-    @abstractmethod
-    def supports_quant_scheme(cls, quant_dtype: str) -> Support: ...
+    @staticmethod
+    def is_monolithic() -> bool:
+        raise NotImplementedError
 
-    @classmethod
-    @abstractmethod
-    def supports_activation(cls, activation: MoEActivation) -> Support: ...
-
-    @classmethod
-    def supports_expert_parallel(cls) -> bool:
-        """Whether ``apply`` accepts local expert ids with -1 for experts held
-        by other ranks, producing this rank's partial output."""
+    @property
+    def expects_unquantized_inputs(self) -> bool:
+        """Whether the experts quantize their input themselves."""
         return False
 
-    @classmethod
-    def check_supported(
-        cls, moe: FusedMoEConfig, quant_dtype: str, device: torch.device
+    @staticmethod
+    @abstractmethod
+    def activation_format() -> FusedMoEActivationFormat: ...
+
+    @staticmethod
+    def is_supported_config(
+        cls: type[FusedMoEExperts],
+        moe_config: FusedMoEConfig,
+        weight_key: QuantKey | None,
+        activation_key: QuantKey | None,
+        activation_format: FusedMoEActivationFormat,
+    ) -> tuple[bool, str | None]:
+        """(True, None), or (False, the first reason ``cls`` cannot run)."""
+
+        def no(reason: str) -> tuple[bool, str]:
+            return False, f"kernel does not support {reason}"
+
+        if not cls._supports_current_device():
+            return no(f"current device {current_platform.device_name}")
+        if not (moe_config.is_act_and_mul or cls._supports_no_act_and_mul()):
+            return no("no act_and_mul MLP layer")
+        if not cls._supports_activation(moe_config.activation):
+            return no(f"{moe_config.activation} activation")
+        if not cls._supports_quant_scheme(weight_key, activation_key):
+            return no(f"quantization scheme {weight_key}x{activation_key}")
+        if not cls._supports_parallel_config(moe_config.moe_parallel_config):
+            return no(f"parallel config {moe_config.moe_parallel_config}")
+        if activation_format != cls.activation_format():
+            return no(f"{activation_format.value} activation format")
+        return True, None
+
+    @staticmethod
+    @abstractmethod
+    def _supports_current_device() -> bool: ...
+
+    @staticmethod
+    @abstractmethod
+    def _supports_no_act_and_mul() -> bool: ...
+
+    @staticmethod
+    @abstractmethod
+    def _supports_quant_scheme(
+        weight_key: QuantKey | None, activation_key: QuantKey | None
+    ) -> bool: ...
+
+    @staticmethod
+    @abstractmethod
+    def _supports_activation(activation: MoEActivation) -> bool: ...
+
+    @staticmethod
+    @abstractmethod
+    def _supports_parallel_config(
+        moe_parallel_config: FusedMoEParallelConfig,
+    ) -> bool: ...
+
+    # -- the quant config's tensors, as the kernels read them ------------------
+    @property
+    def quant_dtype(self) -> torch.dtype | str | None:
+        return self.quant_config.quant_dtype
+
+    @property
+    def a1_gscale(self) -> torch.Tensor | None:
+        return self.quant_config.a1_gscale
+
+    @property
+    def a2_gscale(self) -> torch.Tensor | None:
+        return self.quant_config.a2_gscale
+
+    @property
+    def w1_scale(self) -> torch.Tensor | None:
+        return self.quant_config.w1_scale
+
+    @property
+    def w2_scale(self) -> torch.Tensor | None:
+        return self.quant_config.w2_scale
+
+    @property
+    def g1_alphas(self) -> torch.Tensor | None:
+        return self.quant_config.g1_alphas
+
+    @property
+    def g2_alphas(self) -> torch.Tensor | None:
+        return self.quant_config.g2_alphas
+
+
+class FusedMoEExpertsModular(FusedMoEExperts):
+    """Experts that take routed tokens (top-k ids and weights) and write the
+    [M, K] result into the ``output`` the kernel allocated."""
+
+    @staticmethod
+    def is_monolithic() -> bool:
+        return False
+
+    @abstractmethod
+    def workspace_shapes(
+        self,
+        M: int,
+        N: int,
+        K: int,
+        topk: int,
+        global_num_experts: int,
+        local_num_experts: int,
+        expert_tokens_meta: ExpertTokensMetadata | None,
+        activation: MoEActivation,
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(workspace13, workspace2, output) shapes."""
+
+    def workspace_dtype(self, act_dtype: torch.dtype) -> torch.dtype:
+        return act_dtype
+
+    @abstractmethod
+    def finalize_weight_and_reduce_impl(self) -> TopKWeightAndReduce: ...
+
+    @abstractmethod
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool,
     ) -> None:
-        """Raise ValueError listing every reason ``cls`` cannot run here."""
-        answers = [
-            cls.is_supported_device(device),
-            cls.supports_quant_scheme(quant_dtype),
-            cls.supports_activation(moe.activation),
-        ]
-        reasons = [a.reason for a in answers if not a]
-        if reasons:
+        """Compute the experts of ``topk_ids`` (global ids; ``expert_map``
+        maps them to local ones, -1 for other ranks') into ``output``."""
+
+
+class FusedMoEKernel:
+    """A prepare/finalize and a modular experts implementation, run together."""
+
+    def __init__(
+        self,
+        prepare_finalize: FusedMoEPrepareAndFinalizeModular,
+        fused_experts: FusedMoEExpertsModular,
+    ):
+        if not isinstance(prepare_finalize, FusedMoEPrepareAndFinalizeModular) or (
+            not isinstance(fused_experts, FusedMoEExpertsModular)
+        ):
             raise ValueError(
-                f"MoE backend {cls.name!r} cannot run here: " + "; ".join(reasons)
+                "this tree runs modular kernels only, got "
+                f"{type(prepare_finalize).__name__} and {type(fused_experts).__name__}"
             )
+        self._prepare_finalize = prepare_finalize
+        self._fused_experts = fused_experts
 
-    # -- weights and compute --------------------------------------------------
-    @abstractmethod
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Rearrange ``layer``'s loaded parameters for this kernel, once."""
+    @property
+    def prepare_finalize(self) -> FusedMoEPrepareAndFinalizeModular:
+        return self._prepare_finalize
 
-    @abstractmethod
+    @property
+    def fused_experts(self) -> FusedMoEExpertsModular:
+        return self._fused_experts
+
+    @property
+    def moe_config(self) -> FusedMoEConfig:
+        return self._fused_experts.moe_config
+
+    @property
+    def is_monolithic(self) -> bool:
+        return False
+
     def apply(
         self,
         hidden_states: torch.Tensor,
@@ -149,31 +347,70 @@ class FusedMoEExperts(ABC):
         w2: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        apply_router_weight_on_input: bool,
+        shared_experts: object = None,
+        shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Expert computation: [T, H] in, [T, H] out (top-k weighted sum)."""
-
-
-class FusedMoEKernel:
-    """A prepare/finalize and an experts implementation, run together."""
-
-    def __init__(
-        self, prepare_finalize: FusedMoEPrepareAndFinalize, experts: FusedMoEExperts
-    ):
-        self.prepare_finalize = prepare_finalize
-        self.experts = experts
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        x, weights, ids = self.prepare_finalize.prepare(
-            hidden_states, topk_weights, topk_ids
+        """[M, K] hidden states routed by ``topk_ids`` (global expert ids)
+        -> [M, K] output (a new tensor)."""
+        experts = self._fused_experts
+        a1q, a1q_scale, tokens_meta, ids, weights = self._prepare_finalize.prepare(
+            hidden_states,
+            topk_weights,
+            topk_ids,
+            global_num_experts,
+            expert_map,
+            apply_router_weight_on_input,
+            experts.quant_config,
+            defer_input_quant=experts.expects_unquantized_inputs,
         )
-        out = self.experts.apply(x, w1, w2, weights, ids)
-        return self.prepare_finalize.finalize(out)
+        ids = topk_ids if ids is None else ids
+        weights = topk_weights if weights is None else weights
+        m, k = hidden_states.shape
+        ws13, ws2, out_shape = experts.workspace_shapes(
+            m,
+            w1.shape[1],
+            k,
+            ids.shape[1],
+            global_num_experts,
+            experts.moe_config.num_local_experts,
+            tokens_meta,
+            activation,
+        )
+        dtype = experts.workspace_dtype(hidden_states.dtype)
+        device = hidden_states.device
+        workspace13 = torch.empty(ws13, dtype=dtype, device=device)
+        workspace2 = torch.empty(ws2, dtype=dtype, device=device)
+        fused_out = torch.empty(out_shape, dtype=hidden_states.dtype, device=device)
+        experts.apply(
+            fused_out,
+            a1q,
+            w1,
+            w2,
+            weights,
+            ids,
+            activation,
+            global_num_experts,
+            expert_map,
+            a1q_scale,
+            None,
+            workspace13,
+            workspace2,
+            tokens_meta,
+            apply_router_weight_on_input,
+        )
+        output = torch.empty((m, k), dtype=hidden_states.dtype, device=device)
+        self._prepare_finalize.finalize(
+            output,
+            fused_out,
+            weights,
+            ids,
+            apply_router_weight_on_input,
+            experts.finalize_weight_and_reduce_impl(),
+        )
+        return output
 
-    __call__ = forward
+    __call__ = apply

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-import vllm.envs as envs
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     blockscale_storage_for_swizzle,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
+    env_int,
 )
 
 __all__ = [
@@ -55,11 +55,9 @@ __all__ = [
     "MoEWeightPrepState",
     "PrepStatus",
     "adopt_extra_state",
-    "check_load_layout",
     "get_prep_state",
     "layout_extra_state",
     "load_layout_data",
-    "load_layout_ok",
     "nvfp4_moe_param_specs",
     "reload_slots",
     "state_dict_problem",
@@ -248,7 +246,7 @@ class MoEWeightPrepState:
         self.fingerprints = {n: _fingerprint(p) for n, p in params.items()}
         self.checksums = (
             {n: weight_checksum(p) for n, p in params.items()}
-            if envs.VLLM_MOE_PREP_VERIFY
+            if env_int("VLLM_MOE_PREP_VERIFY", 0)
             else {}
         )
 
@@ -266,7 +264,7 @@ class MoEWeightPrepState:
                 out[n] = "replaced (param.data = ..., .to(), ...)"
             elif now[6] != fp[6]:
                 out[n] = "modified in place"
-        if envs.VLLM_MOE_PREP_VERIFY:
+        if env_int("VLLM_MOE_PREP_VERIFY", 0):
             for n, want in self.checksums.items():
                 if n not in out and n in params and weight_checksum(params[n]) != want:
                     out[n] = "modified in place (bytes differ: param.data.copy_?)"
@@ -336,9 +334,10 @@ def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
 def nvfp4_moe_param_specs(moe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of a layer's NVFP4 parameters in the load
     layout, for a ``FusedMoEConfig`` ``moe`` (rows = 2I gated, I otherwise)."""
-    e, h = moe.num_experts, moe.hidden_dim
-    i, rows = moe.intermediate_size_per_partition, moe.w13_rows
-    groups = 2 if moe.is_act_and_mul else 1
+    e, h = moe.num_local_experts, moe.hidden_dim
+    i = moe.intermediate_size_per_partition
+    groups = moe.w13_num_shards
+    rows = groups * i
     return {
         "w13_weight": ((e, rows, h // 2), torch.uint8),
         "w13_weight_scale": ((e, rows, h // 16), torch.float8_e4m3fn),
@@ -373,42 +372,12 @@ def reload_slots(moe) -> dict[str, tuple[int, int]]:
     """Name -> (experts, row groups) of the slots a complete reload writes:
     one per expert and shard (w1 / w3 of w13, w2) of each required
     parameter (:data:`REQUIRED_SUFFIXES`)."""
-    groups = 2 if moe.is_act_and_mul else 1
+    groups = moe.w13_num_shards
     return {
-        f"{prefix}_{suffix}": (moe.num_experts, groups if prefix == "w13" else 1)
+        f"{prefix}_{suffix}": (moe.num_local_experts, groups if prefix == "w13" else 1)
         for prefix in ("w13", "w2")
         for suffix in REQUIRED_SUFFIXES
     }
-
-
-def _layout_problems(layer: torch.nn.Module, moe) -> list[str]:
-    problems = []
-    for name, (shape, dtype) in nvfp4_moe_param_specs(moe).items():
-        t = getattr(layer, name, None)
-        if t is None:
-            problems.append(f"{name} is missing")
-        elif t.dtype != dtype or tuple(t.shape) != shape:
-            problems.append(
-                f"{name} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}"
-            )
-    return problems
-
-
-def load_layout_ok(layer: torch.nn.Module, moe) -> bool:
-    """Whether every NVFP4 parameter has its load-layout shape and dtype."""
-    return not _layout_problems(layer, moe)
-
-
-def check_load_layout(layer: torch.nn.Module, moe) -> None:
-    """ValueError naming each parameter whose shape or dtype is not the load
-    layout's (e.g. replaced, or converted by ``layer.to(dtype)``)."""
-    problems = _layout_problems(layer, moe)
-    if problems:
-        raise ValueError(
-            f"cannot prepare the MoE layer: {'; '.join(problems)}. Load the "
-            "weights again through FusedMoE.weight_loader, which restores the "
-            "load layout"
-        )
 
 
 # -- state dicts: the layout travels with the tensors ----------------------------
@@ -454,13 +423,12 @@ def adopt_extra_state(layer: torch.nn.Module, extra: dict) -> None:
     state.torn_reason = extra["torn_reason"]
     state.writes_since_prepared = False
     if state.status is PrepStatus.PREPARED:
-        layer.quant_method.experts._bind_prepared(layer)
+        layer.quant_method.experts.bind_prepared(layer)
         state.record_prepared(layer)
 
 
 def _global_scale_mode(layer: torch.nn.Module) -> str | None:
-    experts = layer.quant_method.experts
-    return getattr(experts, "effective_global_scale_mode", None)
+    return getattr(layer.quant_method, "global_scale_mode", None)
 
 
 def state_dict_problem(layer: torch.nn.Module, state_dict, prefix: str) -> str | None:

@@ -2,55 +2,67 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """CPU-runnable emulation of the FlashInfer b12x NVFP4 MoE contract.
 
-The weight preparation is inherited, line for line, from
-:class:`FlashInferB12xExperts`; only ``apply`` differs: it computes in torch
-from the prepared tensors exactly as the kernel reads them, decoding the
-layout itself:
+The weight preparation is :class:`FlashInferB12xExperts`'s, line for line;
+only ``apply`` differs: it computes in torch from the prepared tensors
+exactly as the kernel reads them, decoding the layout itself.
+
+W4A4 (``quant_config.quant_dtype == "nvfp4"``):
 
 * FC1 weight rows are [w3; w1] = [up; gate] (it never calls the reorder to
-  undo that);
-* block scales are read through the MMA-layout views (the swizzled bytes);
-* ``e2m1 * block_scale`` per weight, times the per-expert ``g1_alphas`` /
-  ``g2_alphas`` on the GEMM outputs;
-* the FC2 input is quantized with ``_fc2_input_scale`` (full mode).
+  undo that); block scales are read through the MMA-layout views;
+* ``e2m1 * block_scale`` per weight, times the per-expert alphas on the
+  GEMM outputs;
+* ``weights_only=False`` (the kernel's arithmetic): the FC1 and FC2 inputs
+  are quantized to NVFP4 (16-element blocks along the reduction dimension,
+  FP8 block scales, global scales of 1 and the FC2 input scale). Not
+  modelled: the kernel's accumulation order and tiling, its rounding of the
+  block-scale computation (a 1-ulp FP8 scale difference is possible), and
+  its BF16 rounding points beyond the final cast.
+* ``weights_only=True``: activations stay BF16; every GEMM multiplies BF16
+  activations by the decoded weights in fp32 and the intermediate is rounded
+  to BF16, so the result can be compared tightly with the BF16 reference on
+  the dequantized weights.
 
-Modes:
+W4A16 (``quant_config.use_nvfp4_w4a16``), from ``W4A16PackedWeights`` alone
+with the package's own decode (``nvfp4_utils.w4a16_dequantize``): BF16
+activations; weights e2m1 * block scale as the kernel reads it; FC1 in FP32
+times ``alpha1``, rounded to BF16, the activation on the [gate; up] rows,
+rounded to BF16; FC2 in FP32 times ``router_weight * alpha2``; the top-k
+sum in FP32, one final BF16 rounding.
 
-* ``weights_only=False`` (W4A4, the kernel's arithmetic): the FC1 input and
-  the FC2 input are quantized to NVFP4 (16-element blocks along the
-  reduction dimension, FP8 block scales, global scale ``a1_gscale`` or 1 and
-  ``_fc2_input_scale``). Not modelled: the kernel's accumulation order and
-  tiling, its rounding of the block-scale computation (a 1-ulp FP8 scale
-  difference is possible), and its BF16 output rounding points beyond the
-  final cast.
-* ``weights_only=True`` (W4A16): activations stay BF16 (no activation
-  quantization); every GEMM multiplies BF16 activations by the decoded
-  weights in fp32 and the intermediate is rounded to BF16, as
-  :func:`fused_experts` does, so the result can be compared tightly with the
-  BF16 reference on the dequantized weights.
+Expert ids are global; ``expert_map`` (expert parallelism) maps them to
+local experts, and experts of other ranks contribute nothing.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
+    b12x_layout_problems,
+)
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     FlashInferB12xExperts,
 )
-from vllm.model_executor.layers.fused_moe.fused_moe import expand_routes
-from vllm.model_executor.layers.fused_moe.modular_kernel import Support
-from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
-    DEFAULT_MAX_TRANSIENT_BYTES,
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEActivationFormat,
+    FusedMoEExperts,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_steps import w13_rows
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     mma_layout_to_linear,
     quantize_nvfp4,
+    w4a16_alpha,
+    w4a16_dequantize,
 )
+from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 
 __all__ = ["FlashInferB12xEmulatedExperts"]
 
@@ -61,46 +73,115 @@ def _fake_quant(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Te
     return dequantize_nvfp4(packed, scale, global_scale)
 
 
-class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
-    """The b12x contract in torch: same preparation, emulated ``apply``."""
+def _activation(act: MoEActivation, fc1: torch.Tensor, first_is_gate: bool):
+    """The activation on FC1's output [n, 2I] (gated; halves in the layout's
+    order) or [n, I]."""
+    if not act.is_gated:
+        return torch.square(F.relu(fc1))
+    a, b = fc1.chunk(2, dim=-1)
+    gate, up = (a, b) if first_is_gate else (b, a)
+    if act is MoEActivation.GELU_TANH:
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
 
-    name = "flashinfer_b12x_emulated"
+
+def _local_routes(topk_ids, topk_weights, expert_map):
+    """Flatten [T, K] routes into (local expert, token, weight), each [T*K];
+    -1 for a slot whose expert is another rank's."""
+    t, k = topk_ids.shape
+    tokens = torch.arange(t, device=topk_ids.device).repeat_interleave(k)
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        ids = torch.where(ids >= 0, expert_map.long()[ids.clamp(min=0)], ids)
+    return ids, tokens, topk_weights.reshape(-1).float()
+
+
+class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
+    """The b12x contract in torch, on any device: the same preparation, an
+    emulated ``apply`` (see module doc). The emulation runs any shape the
+    preparation takes and keeps expert parallelism for W4A4 too."""
 
     def __init__(
         self,
         moe_config: FusedMoEConfig,
         quant_config: FusedMoEQuantConfig,
         *,
-        max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
-        global_scale_mode: str = "alpha",
+        max_transient_bytes: int | None = None,
+        global_scale_mode: str | None = None,
         weights_only: bool = False,
     ):
-        super().__init__(moe_config, quant_config,
-                         max_transient_bytes=max_transient_bytes,
-                         global_scale_mode=global_scale_mode)  # fmt: skip
-        self.weights_only = weights_only
+        super().__init__(
+            moe_config,
+            quant_config,
+            max_transient_bytes=max_transient_bytes,
+            global_scale_mode=global_scale_mode,
+        )
+        self.emulate_weights_only = weights_only
 
     @classmethod
-    def is_supported_device(cls, device: torch.device) -> Support:
-        return Support.yes()
-
-    @classmethod
-    def check_kernel_config(cls, moe: FusedMoEConfig) -> None:
+    def check_kernel_config(cls, moe: FusedMoEConfig, weight_only: bool) -> None:
         # The torch emulation runs any shape and dtype the preparation takes
-        # (tests use small and awkward ones); only the kernel has limits.
-        return None
+        # (tests use small and awkward ones); only the layout has limits.
+        problems = b12x_layout_problems(moe, weight_only)
+        if problems:
+            raise ValueError(
+                "the b12x weight layout cannot hold this MoE layer: "
+                + "; ".join(problems)
+            )
+
+    @staticmethod
+    def is_supported_config(
+        cls: type[FusedMoEExperts],
+        moe_config: FusedMoEConfig,
+        weight_key: QuantKey | None,
+        activation_key: QuantKey | None,
+        activation_format: FusedMoEActivationFormat,
+    ) -> tuple[bool, str | None]:
+        return FusedMoEExperts.is_supported_config(
+            cls, moe_config, weight_key, activation_key, activation_format
+        )
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
 
     @classmethod
-    def supports_unfolded_alpha(cls) -> Support:
+    def supports_unfolded_alpha(cls) -> bool:
         # The emulation reads w1_alpha as an output multiplier only, as the
         # kernel does when it is given input_global_scale.
-        return Support.yes()
-
-    @classmethod
-    def supports_expert_parallel(cls) -> bool:
-        # The torch loop skips the -1 ids of other ranks' experts; the kernel
-        # itself does not support expert parallelism with NVFP4 activations.
         return True
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def apply(
+        self,
+        output,
+        hidden_states,
+        w1,
+        w2,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        expert_map,
+        a1q_scale,
+        a2_scale,
+        workspace13,
+        workspace2,
+        expert_tokens_meta,
+        apply_router_weight_on_input,
+    ) -> None:
+        if self._guard is None:
+            self._check_prepared()
+        with self._guard[0].lock:
+            self._check_prepared()
+            routes = _local_routes(topk_ids, topk_weights, expert_map)
+            if self.weight_only:
+                out = self._emulate_w4a16(hidden_states, routes)
+            else:
+                out = self._emulate_w4a4(hidden_states, w1, w2, routes)
+            output.copy_(out)
 
     def _decoded_weight(
         self, packed: torch.Tensor, mma: torch.Tensor, expert: int, m: int, k: int
@@ -110,38 +191,55 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
         scales = mma_layout_to_linear(mma[..., expert : expert + 1], m, k)[0]
         return dequantize_nvfp4(packed[expert], scales, 1.0)
 
-    def apply(self, hidden_states, w1, w2, topk_weights, topk_ids):
-        self._check_prepared()
-        qc = self.quant_config
+    def _emulate_w4a4(self, hidden_states, w1, w2, routes):
+        t = self.prepared
         moe = self.moe_config
-        t, h = hidden_states.shape
-        inter = moe.intermediate_size_per_partition
-        rows = moe.w13_rows
-        out = torch.zeros((t, h), dtype=torch.float32, device=hidden_states.device)
-        flat_ids, flat_tokens, flat_weights = expand_routes(topk_ids, topk_weights)
-        a1_gscale = 1.0 if qc.a1_gscale is None else qc.a1_gscale
-        for e in flat_ids.unique().tolist():
+        n_tok, h = hidden_states.shape
+        inter, rows = moe.intermediate_size_per_partition, w13_rows(moe)
+        out = torch.zeros((n_tok, h), dtype=torch.float32, device=hidden_states.device)
+        ids, tokens, weights = routes
+        for e in ids.unique().tolist():
             if e < 0:
-                continue  # unrouted slot
-            sel = flat_ids == e
-            tokens = flat_tokens[sel]
-            x = hidden_states[tokens].float()  # [n, H]
-            if not self.weights_only:
-                gs = a1_gscale if isinstance(a1_gscale, float) else a1_gscale[e]
+                continue  # unrouted slot, or another rank's expert
+            sel = ids == e
+            tok = tokens[sel]
+            x = hidden_states[tok].float()  # [n, H]
+            if not self.emulate_weights_only:
+                gs = 1.0 if t.fc1_input_scale is None else t.fc1_input_scale[e]
                 x = _fake_quant(x, gs)
-            w13 = self._decoded_weight(w1, self.w1_sf_mma, e, rows, h)  # [rows, H]
-            fc1 = (x @ w13.t()) * qc.g1_alphas[e]  # [n, rows]
-            if moe.activation.is_gated:
-                # b12x layout: rows [0, I) are w3 (up), rows [I, 2I) are w1 (gate).
-                up, gate = fc1[:, :inter], fc1[:, inter:]
-                act = torch.nn.functional.silu(gate) * up  # [n, I]
-            else:
-                act = torch.square(torch.relu(fc1))  # [n, I]
-            if self.weights_only:
+            w13 = self._decoded_weight(w1, t.w1_sf_mma, e, rows, h)  # [rows, H]
+            fc1 = (x @ w13.t()) * t.w1_alpha[e]  # [n, rows]
+            # b12x layout: rows [0, I) are w3 (up), rows [I, 2I) w1 (gate).
+            act = _activation(moe.activation, fc1, first_is_gate=False)  # [n, I]
+            if self.emulate_weights_only:
                 act = act.to(hidden_states.dtype).float()
             else:
-                act = _fake_quant(act, self._fc2_input_scale[e])
-            w2e = self._decoded_weight(w2, self.w2_sf_mma, e, h, inter)  # [H, I]
-            y = (act @ w2e.t()) * qc.g2_alphas[e]  # [n, H]
-            out.index_add_(0, tokens, y * flat_weights[sel].unsqueeze(1))
+                act = _fake_quant(act, t.fc2_input_scale[e])
+            w2e = self._decoded_weight(w2, t.w2_sf_mma, e, h, inter)  # [H, I]
+            y = (act @ w2e.t()) * t.w2_alpha[e]  # [n, H]
+            out.index_add_(0, tok, y * weights[sel].unsqueeze(1))
         return out.to(hidden_states.dtype)
+
+    def _emulate_w4a16(self, hidden_states, routes):
+        pw = self.prepared
+        moe = self.moe_config
+        n_tok, h = hidden_states.shape
+        out = torch.zeros((n_tok, h), dtype=torch.float32, device=hidden_states.device)
+        ids, tokens, weights = routes
+        alpha1 = w4a16_alpha(pw.w13_global_scale)  # [E]
+        alpha2 = w4a16_alpha(pw.w2_global_scale)
+        for e in ids.unique().tolist():
+            if e < 0:
+                continue  # unrouted, or another rank's expert
+            sel = ids == e
+            tok = tokens[sel]
+            x = hidden_states[tok].to(torch.bfloat16).float()  # [n, H]
+            w13 = w4a16_dequantize(pw.w13[e : e + 1], pw.w13_scale[e : e + 1])[0]
+            fc1 = ((x @ w13.t()) * alpha1[e]).to(torch.bfloat16).float()  # [n, N]
+            # The W4A16 layout's native order: [gate; up].
+            act = _activation(moe.activation, fc1, first_is_gate=True)
+            act = act.to(torch.bfloat16).float()
+            w2e = w4a16_dequantize(pw.w2[e : e + 1], pw.w2_scale[e : e + 1])[0]
+            y = (act @ w2e.t()) * (weights[sel] * alpha2[e]).unsqueeze(1)  # [n, H]
+            out.index_add_(0, tok, y)
+        return out.to(torch.bfloat16)

@@ -16,6 +16,9 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     nvfp4_moe_param_specs,
     reload_slots,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
+    replace_parameter,
+)
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
 )
@@ -31,19 +34,10 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
 
-__all__ = ["fold_to", "replace_parameter", "reset_load_layout", "restore_exactly"]
+__all__ = ["fold_to", "reset_load_layout", "restore_exactly"]
 
 
-def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
-    """Make ``value`` (e.g. a padded view of the same storage) the data of the
-    parameter ``name``. The Parameter object stays the same, so references
-    taken before (a loader's ``dict(named_parameters())``) stay valid."""
-    param = getattr(layer, name)
-    if value is not param:
-        param.data = value
-
-
-def fold_to(experts, layer, state, prefix: str, target, after) -> None:
+def fold_to(weights, layer, state, prefix: str, target, after) -> None:
     """Bring ``{prefix}_weight_scale`` to ``target`` [E, G] folded in (from
     what ``state.folds`` says is folded now), then set the global scale
     parameter to ``after`` (kept as loaded in ``state.global_scales``).
@@ -62,7 +56,7 @@ def fold_to(experts, layer, state, prefix: str, target, after) -> None:
         # The plan's [E, G] float32 tensors (and one comparison's result)
         # count against the cap too, each as the CUDA allocator rounds it.
         reserve = 4 * allocation_bytes(factor.numel() * 4) + ALLOCATION_GRANULE
-        cap = max(4, experts.max_transient_bytes - reserve)
+        cap = max(4, weights.max_transient_bytes - reserve)
         fold_global_scale_into_blockscale_(
             getattr(layer, name), factor.reshape(scale_2.shape),
             max_transient_bytes=cap, progress=state.progress_of(key),
@@ -77,30 +71,31 @@ def fold_to(experts, layer, state, prefix: str, target, after) -> None:
         scale_2.copy_(after.expand_as(loaded).reshape(scale_2.shape))
 
 
-def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
-    """The exact restore (see ``FlashInferB12xExperts.restore_load_layout``)."""
+def restore_exactly(weights, layer: torch.nn.Module, state) -> None:
+    """The exact restore of a W4A4 layer (``weights``: its
+    ``B12xW4A4Weights``; see ``FlashInferB12xExperts.restore_load_layout``)."""
+    # Read once: nothing (not even a tensor attribute, a torch call that an
+    # interrupt may hit) stands between a step's last write and its record.
+    device = layer.w13_weight.device
     if state.status is PrepStatus.PREPARING:
-        for name, step in experts.preparation_steps(layer):
+        for name, step in weights.preparation_steps(layer):
             if name not in state.done:
                 if state.started(name):
                     step()  # finish the step in flight (its cap was accepted)
+                    state.mark_done(name, device)
                 break
     if state.status in (PrepStatus.PREPARING, PrepStatus.PREPARED):
         undo = list(state.done)
         state.begin(PrepStatus.RESTORING)
         state.undo = undo
-    experts._drop_prepared()
-    cap = experts.max_transient_bytes
-    # Read once: nothing (not even a tensor attribute, a torch call that an
-    # interrupt may hit) stands between a step's last write and its record.
-    device = layer.w13_weight.device
+    cap = weights.max_transient_bytes
     with torch.no_grad(), moe_prep_threads(device):
         for prefix in ("w13", "w2"):
             name = f"{prefix}_weight_scale"
             step = f"unswizzle.{name}"
             if "swizzle" not in state.undo or step in state.done:
                 continue
-            n_e, r, c = experts._scale_geometry(prefix)
+            n_e, r, c = weights.scale_geometry(prefix)
             linear = unswizzle_blockscale_bounded_(
                 getattr(layer, name), r, c, max_transient_bytes=cap,
                 progress=state.progress_of(step),
@@ -108,7 +103,7 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
             replace_parameter(layer, name, linear)
             state.mark_done(step, device)
         if (
-            experts.moe_config.is_act_and_mul
+            weights.moe_config.is_act_and_mul
             and "unreorder" not in state.done
             and getattr(layer, "w13_loaded_as_w3w1", False) != state.load_w3w1
         ):
@@ -128,17 +123,19 @@ def restore_exactly(experts, layer: torch.nn.Module, state) -> None:
     state.begin(PrepStatus.LOADING)
 
 
-def reset_load_layout(experts, layer: torch.nn.Module, state, reason: str) -> None:
-    """The load layout's shapes and dtypes, whatever the bytes; torn."""
-    experts._drop_prepared()
-    for name, (shape, dtype) in nvfp4_moe_param_specs(experts.moe_config).items():
-        param = getattr(layer, name)
+def reset_load_layout(weights, layer: torch.nn.Module, state, reason: str) -> None:
+    """The load layout's shapes and dtypes, whatever the bytes; torn
+    (``weights``: the layer's ``B12xW4A4Weights`` or ``B12xW4A16Weights``)."""
+    for name, (shape, dtype) in nvfp4_moe_param_specs(weights.moe_config).items():
+        param = getattr(layer, name, None)
+        if not isinstance(param, torch.Tensor):
+            continue  # a method that keeps its input scales elsewhere
         if param.dtype == dtype and tuple(param.shape) == shape:
             continue
         with torch.device(param.device):
             if (
                 name.endswith("_weight_scale")
-                and experts.swizzles_block_scales
+                and weights.swizzles_block_scales
                 and param.dtype == dtype
                 and state.has_storage_room(name, param)
             ):
@@ -146,7 +143,7 @@ def reset_load_layout(experts, layer: torch.nn.Module, state, reason: str) -> No
                     param.untyped_storage(), 0, shape)  # fmt: skip
             else:
                 data = load_layout_data(
-                    name, shape, dtype, experts.swizzles_block_scales, state
+                    name, shape, dtype, weights.swizzles_block_scales, state
                 )
         replace_parameter(layer, name, data)
     if state.load_w3w1 is not None:
@@ -155,4 +152,4 @@ def reset_load_layout(experts, layer: torch.nn.Module, state, reason: str) -> No
     state.undo, state.folds, state.global_scales = [], {}, {}
     state.fingerprints, state.checksums = {}, {}
     state.writes_since_prepared = False
-    state.mark_torn(reload_slots(experts.moe_config), reason)
+    state.mark_torn(reload_slots(weights.moe_config), reason)

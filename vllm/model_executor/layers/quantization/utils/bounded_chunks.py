@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ import torch
 from vllm import envs
 
 __all__ = [
+    "env_int",
     "ALLOCATION_GRANULE",
     "DEFAULT_MAX_TRANSIENT_BYTES",
     "ChunkProgress",
@@ -198,7 +200,7 @@ def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
     the design page, "Threads"). The previous setting is restored on exit;
     nested uses change nothing. The setting is process-wide while it lasts.
     """
-    n = envs.VLLM_MOE_PREP_CPU_THREADS
+    n = env_int("VLLM_MOE_PREP_CPU_THREADS", default=1)
     if torch.device(device).type != "cpu" or n == 0:
         yield
         return
@@ -211,6 +213,23 @@ def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def env_int(name: str, default: int, minimum: int = 0) -> int:
+    """``vllm.envs.<name>`` as an int of at least ``minimum``, or ``default``
+    where the envs module does not define ``name``; ValueError naming the
+    variable and its text otherwise."""
+    try:
+        value = getattr(envs, name)
+    except AttributeError:
+        return default
+    except ValueError:
+        value = None
+    if value is None or int(value) < minimum:
+        raise ValueError(
+            f"{name} must be an integer >= {minimum}, got {os.getenv(name)!r}"
+        )
+    return int(value)
 
 
 def run_chunks(

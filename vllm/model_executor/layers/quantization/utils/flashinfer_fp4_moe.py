@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Low-peak-memory helpers that rearrange NVFP4 MoE weights for FlashInfer.
+"""Utility helpers for NVFP4 + FlashInfer fused-MoE path.
 
-The preparation of a loaded NVFP4 MoE layer is a sequence of bounded, in-place
-steps (the order and the layouts are drawn in
-``vllm/model_executor/layers/fused_moe/experts/flashinfer_b12x_moe.py``)::
+The b12x preparation of a loaded NVFP4 MoE layer is a sequence of bounded,
+in-place steps (drawn in ``fused_moe/experts/flashinfer_b12x_w4a4.py``)::
 
     validate  blockscale_checks.check_blockscale_values
     fold      blockscale_fold.fold_global_scale_into_blockscale_  ("fold" mode)
@@ -16,10 +15,11 @@ allocates at most ``max_transient_bytes``, resumes from a ``ChunkProgress``
 after an exception and holds SIGINT back to the end of the chunk in flight.
 """
 
-from __future__ import annotations
+from typing import TYPE_CHECKING
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     ChunkProgress,
@@ -30,6 +30,20 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     run_chunks,
     tile_bytes,
 )
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    amax_for_moe_activation_quant,
+)
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
+        NvFp4MoeBackend,
+    )
+
+logger = init_logger(__name__)
 
 __all__ = [
     "reorder_w1w3_to_w3w1",
@@ -223,3 +237,188 @@ def reorder_w1w3_to_w3w1(
 
         run_chunks(len(chunks), swap, progress, weight.device)
     return weight, scale
+
+
+def _b12x_w13_global_scales(
+    layer: "RoutedExperts", w13_scale_2: torch.Tensor
+) -> torch.Tensor:
+    """The per-shard w13 global scales [E, 2] (dequantization direction) of
+    ``layer``, where it has them: the b12x experts carry an up scale that
+    differs from the gate's exactly (in the FC2 alpha), so they keep both,
+    where the quant methods pass only w1's (``w13_scale_2``, [E]) on."""
+    ct_global = getattr(layer, "w13_weight_global_scale", None)
+    if ct_global is not None:  # compressed-tensors: quantization direction
+        per_shard = 1.0 / ct_global.float()
+    else:
+        per_shard = getattr(layer, "w13_weight_scale_2", None)
+    if (
+        per_shard is not None
+        and per_shard.dim() == 2
+        and per_shard.shape[0] == w13_scale_2.shape[0]
+    ):
+        return per_shard
+    return w13_scale_2
+
+
+def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
+    backend: "NvFp4MoeBackend",
+    layer: "RoutedExperts",
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_scale_2: torch.Tensor,
+    a13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_scale_2: torch.Tensor,
+    a2_scale: torch.Tensor,
+    is_act_and_mul: bool,
+    trtllm_hidden_alignment: int = 256,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """The NVFP4 MoE tensors of ``layer`` in the layout of a FlashInfer or
+    CUTLASS ``backend``: ``(w13, w13_scale, w13_scale_2, a13_scale, w2,
+    w2_scale, w2_scale_2, a2_scale)``.
+
+    FLASHINFER_B12X: the weights and block scales are returned as they are
+    (the same tensors): ``FlashInferB12xExperts.process_weights_after_loading``
+    rewrites them in place, in bounded memory, resumably. ``w13_scale_2`` is
+    the layer's per-shard [E, 2] global scales where it has them (see
+    ``_b12x_w13_global_scales``). FLASHINFER_CUTLASS and FLASHINFER_TRTLLM:
+    [w1; w3] reordered to [w3; w1] in place (bounded), then TRT-LLM's shuffle
+    or the 128x4 swizzle (new tensors). The activation scales are reduced as
+    each backend takes them: one value shared by all experts for FlashInfer's
+    backends, the max over w1/w3 otherwise.
+    """
+    # Delayed import for circular dependency avoidance.
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
+        NvFp4MoeBackend,
+        is_global_sf_supported_for_nvfp4_backend,
+    )
+
+    if backend not in (
+        NvFp4MoeBackend.VLLM_CUTLASS,
+        NvFp4MoeBackend.FLASHINFER_CUTLASS,
+        NvFp4MoeBackend.FLASHINFER_TRTLLM,
+        NvFp4MoeBackend.FLASHINFER_CUTEDSL_BATCHED,
+        NvFp4MoeBackend.FLASHINFER_B12X,
+    ):
+        raise ValueError(f"{backend} is not a FlashInfer or CUTLASS NVFP4 MoE backend")
+
+    # For some FI kernels, the input scales are shared by all experts.
+    if is_global_sf_supported_for_nvfp4_backend(backend):
+        num_experts = w13.shape[0]
+        enable_eplb = layer.moe_config.moe_parallel_config.enable_eplb
+        a13_scale = amax_for_moe_activation_quant(a13_scale, enable_eplb).repeat(
+            num_experts
+        )
+        a2_scale = amax_for_moe_activation_quant(a2_scale, enable_eplb).repeat(
+            num_experts
+        )
+    else:
+        a13_scale = a13_scale.max(dim=1).values.to(torch.float32)
+
+    if backend == NvFp4MoeBackend.FLASHINFER_B12X:
+        w13_scale_2 = _b12x_w13_global_scales(layer, w13_scale_2)
+        return (
+            w13,
+            w13_scale,
+            w13_scale_2,
+            a13_scale,
+            w2,
+            w2_scale,
+            w2_scale_2,
+            a2_scale,
+        )
+
+    # Reorder [w1, w3] to [w3, w1] for FI NVFP4 MoE kernels.
+    is_gated = layer.activation.is_gated
+    if (
+        is_gated
+        and is_act_and_mul
+        and backend
+        in (NvFp4MoeBackend.FLASHINFER_CUTLASS, NvFp4MoeBackend.FLASHINFER_TRTLLM)
+    ):
+        w13, w13_scale = reorder_w1w3_to_w3w1(w13, w13_scale)
+
+    if backend == NvFp4MoeBackend.FLASHINFER_TRTLLM:
+        moe = layer.moe_config
+        w13, w13_scale, w2, w2_scale, padded_hidden = align_fp4_moe_hidden_dim_for_fi(
+            w13, w13_scale, w2, w2_scale, min_alignment=trtllm_hidden_alignment
+        )
+        if moe.hidden_dim_unpadded is None:
+            moe.hidden_dim_unpadded = moe.hidden_dim
+        moe.hidden_dim = padded_hidden
+        # TRT-LLM's block-scale shuffle needs the w13 rows (2 x the padded I
+        # when gated) to be a multiple of 128; the padded rows are zero.
+        w13, w13_scale, w2, w2_scale, padded_intermediate = (
+            align_fp4_moe_weights_for_fi(
+                w13, w13_scale, w2, w2_scale, is_act_and_mul, 64 if is_gated else 128
+            )
+        )
+        moe.intermediate_size_per_partition = padded_intermediate
+        w13, w13_scale, w2, w2_scale = prepare_static_weights_for_trtllm_fp4_moe(
+            w13,
+            w2,
+            w13_scale,
+            w2_scale,
+            hidden_size=w2.size(-2),
+            intermediate_size=w13.size(-2) // 2 if is_gated else w13.size(-2),
+            num_experts=w13.size(0),
+            is_gated_activation=is_gated,
+        )
+    else:
+        # The 128x4 swizzle of the other FlashInfer / CUTLASS kernels.
+        w13_scale = swizzle_blockscale(w13_scale)
+        pad_size = w13_scale.size(1) - w13.size(1)
+        if pad_size > 0:
+            if is_act_and_mul:
+                raise NotImplementedError(
+                    "intermediate size padding of gated w1 and w3 is not "
+                    f"supported by the {backend.value} NVFP4 MoE backend"
+                )
+            w13 = torch.nn.functional.pad(w13, (0, 0, 0, pad_size))
+            w2 = torch.nn.functional.pad(w2, (0, pad_size // 2, 0, 0))
+            w2_scale = torch.nn.functional.pad(w2_scale, (0, pad_size // 16))
+        w2_scale = swizzle_blockscale(w2_scale)
+
+    return w13, w13_scale, w13_scale_2, a13_scale, w2, w2_scale, w2_scale_2, a2_scale
+
+
+# -- The rest of vLLM's module, which this tree does not carry: the names the
+# definitions above call, refusing here. (Not part of the branch: the fork
+# keeps vLLM's own.)
+
+
+def align_fp4_moe_hidden_dim_for_fi(w13, w13_scale, w2, w2_scale, min_alignment=256):
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+
+
+def align_fp4_moe_weights_for_fi(
+    w13, w13_scale, w2, w2_scale, is_act_and_mul, min_alignment=16
+):
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+
+
+def prepare_static_weights_for_trtllm_fp4_moe(
+    gemm1_weights,
+    gemm2_weights,
+    gemm1_scales_linear_fp4_bytes,
+    gemm2_scales_linear_fp4_bytes,
+    hidden_size,
+    intermediate_size,
+    num_experts,
+    is_gated_activation,
+):
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+
+
+def nvfp4_swizzled_scale_to_cutedsl_mma_view(scale):
+    raise NotImplementedError("FlashInfer CuteDSL NVFP4 MoE is not in this tree")

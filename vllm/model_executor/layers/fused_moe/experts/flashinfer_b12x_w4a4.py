@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The b12x W4A4 weight layout: its preparation steps, its inverse and the
+tensors the kernel reads, in bounded memory::
+
+    load layout                               b12x W4A4 layout
+    w13_weight        [E, 2I, H/2] [w1; w3]   -> [w3; w1]          (in place)
+    w13_weight_scale  [E, 2I, H/16] linear    -> reorder, 128x4 swizzle
+    w13_weight_scale_2 [E, 2] (w1, w3)        -> s_w1: w1_alpha
+    w2_weight_scale   [E, H, I/16] linear     -> 128x4 swizzle
+    w2_weight_scale_2 [E]                     -> x s_w3 / s_w1: w2_alpha
+    (new) w1_sf_mma / w2_sf_mma               MMA-layout views (no copy)
+    (new) fc1 / fc2 input scales [E]          1: quantized dynamically
+
+0. ``validate``: scales finite and positive (block scales finite), before
+   any write;
+1. ``fold``: only in ``"fold"`` mode (upstream's contract): each global
+   scale multiplied into its FP8 block scales, chunk by chunk, then set to 1.
+   ``"alpha"`` (default): nothing; the per-expert global scales are the
+   kernel's alphas and no block scale is rewritten. An expert whose w1
+   (gate) and w3 (up) scales differ gets w1_alpha = s_gate and w2_alpha =
+   s_w2 * s_up / s_gate: the activation is linear in up, and FC2's input is
+   quantized dynamically;
+2. ``reorder`` (gated only): ``reorder_w1w3_to_w3w1`` on the weight and the
+   linear scales, before any swizzle (a half swap is only valid on the
+   swizzled layout when I is a multiple of 128);
+3. ``swizzle``: in place, 128 rows at a time, padding included when the
+   scale's storage has room for it (else one new padded tensor);
+4. ``finalize``: nothing to write; the layer is PREPARED.
+
+Every step allocates at most ``max_transient_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
+    fold_to,
+)
+from vllm.model_executor.layers.fused_moe.weight_prep_state import get_prep_state
+from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
+    PrepStep,
+    check_global_scales,
+    replace_parameter,
+    w13_rows,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
+    check_blockscale_values,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
+    swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    reorder_w1w3_to_w3w1,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    blockscale_mma_layout_view,
+)
+
+__all__ = ["B12xW4A4Tensors", "B12xW4A4Weights"]
+
+
+@dataclass
+class B12xW4A4Tensors:
+    """What the W4A4 kernel reads besides the weights, made once per
+    preparation (views of the layer's scales, tiny [E] float32 tensors).
+
+    Attributes:
+        w1_sf_mma, w2_sf_mma: MMA-layout views [32, 4, M/128, 4, K/64, E] of
+            the swizzled block scales (the parameters' own storage).
+        w1_alpha, w2_alpha: per-expert FC1 / FC2 output multipliers.
+        fc1_input_scale: FC1 input global scale, all 1 ("alpha" mode:
+            ``w1_alpha`` is then the weight's scale alone); None in "fold"
+            mode (``w1_alpha`` = 1 plays both roles).
+        fc2_input_scale: FC2 input global scale, all 1 (quantized
+            dynamically).
+    """
+
+    w1_sf_mma: torch.Tensor
+    w2_sf_mma: torch.Tensor
+    w1_alpha: torch.Tensor
+    w2_alpha: torch.Tensor
+    fc1_input_scale: torch.Tensor | None
+    fc2_input_scale: torch.Tensor
+
+
+class B12xW4A4Weights:
+    """The W4A4 layout of one layer's parameters (see module doc).
+
+    ``global_scale_mode`` is called when the steps run: "alpha" or "fold"
+    (the experts' effective mode, which may fall back to "fold").
+    """
+
+    #: The preparation swizzles the block scales: parameters made with room
+    #: for the padded result are swizzled in place.
+    swizzles_block_scales = True
+
+    def __init__(
+        self,
+        moe: FusedMoEConfig,
+        max_transient_bytes: int,
+        global_scale_mode: Callable[[], str],
+    ):
+        self.moe_config = moe
+        self.max_transient_bytes = max_transient_bytes
+        self.global_scale_mode = global_scale_mode
+
+    def scale_geometry(self, prefix: str) -> tuple[int, int, int]:
+        """(E, rows, cols) of the linear ``{prefix}_weight_scale``."""
+        moe = self.moe_config
+        if prefix == "w13":
+            return moe.num_local_experts, w13_rows(moe), moe.hidden_dim // 16
+        inter = moe.intermediate_size_per_partition
+        return moe.num_local_experts, moe.hidden_dim, inter // 16
+
+    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
+        """``validate``, ``fold``, ``reorder``, ``swizzle``, ``finalize``."""
+        cap = self.max_transient_bytes
+        moe = self.moe_config
+        e = moe.num_local_experts
+        state = get_prep_state(layer)
+        first_expert = getattr(layer, "_first_expert", 0)
+
+        @torch.no_grad()
+        def validate() -> None:
+            # Before any write: bad scales leave the layer as loaded.
+            check_global_scales(layer, first_expert, ("weight_scale_2", "input_scale"))
+            for name in ("w13_weight_scale", "w2_weight_scale"):
+                check_blockscale_values(
+                    name,
+                    getattr(layer, name),
+                    first_expert=first_expert,
+                    max_transient_bytes=cap,
+                )
+
+        @torch.no_grad()
+        def fold() -> None:
+            mode = self.global_scale_mode()
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                loaded = getattr(layer, f"{prefix}_weight_scale_2").reshape(e, -1)
+                if mode == "fold":
+                    # Upstream's contract: each expert's global scale (w1's and
+                    # w3's own for w13) into its FP8 block scales; then it is 1.
+                    target, after = loaded, 1.0
+                elif name in state.folds:
+                    target, after = torch.ones_like(loaded), None  # undo a fold
+                else:
+                    continue  # "alpha": no block scale is rewritten
+                fold_to(self, layer, state, prefix, target, after)
+
+        @torch.no_grad()
+        def reorder() -> None:
+            # [w1; w3] -> [w3; w1] on the weight and the linear scales.
+            if moe.is_act_and_mul and not getattr(layer, "w13_loaded_as_w3w1", False):
+                reorder_w1w3_to_w3w1(
+                    layer.w13_weight,
+                    layer.w13_weight_scale,
+                    dim=-2,
+                    max_transient_bytes=cap,
+                    progress=state.progress_of("reorder"),
+                )
+            layer.w13_loaded_as_w3w1 = moe.is_act_and_mul
+
+        @torch.no_grad()
+        def swizzle() -> None:
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                scale = getattr(layer, name)
+                if tuple(scale.shape) != self.scale_geometry(prefix):
+                    continue  # already replaced by its padded swizzled view
+                swizzled = swizzle_blockscale_bounded(
+                    scale,
+                    max_transient_bytes=cap,
+                    storage_has_room=state.has_storage_room(name, scale),
+                    progress=state.progress_of(f"swizzle.{name}"),
+                )
+                if swizzled.untyped_storage().data_ptr() != (
+                    scale.untyped_storage().data_ptr()
+                ):
+                    # A new padded result: made for the padded layout.
+                    state.record_storage_room(name, swizzled)
+                replace_parameter(layer, name, swizzled)
+
+        def finalize() -> None:
+            pass
+
+        return [
+            ("validate", validate),
+            ("fold", fold),
+            ("reorder", reorder),
+            ("swizzle", swizzle),
+            ("finalize", finalize),
+        ]
+
+    def alphas(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's per-expert ``(w1_alpha, w2_alpha)``, each [E] float32,
+        new tensors (tiny) from the prepared layer's global scales.
+
+        ``w1_alpha`` is the gate's global scale (w1; the only row group of a
+        non-gated layer). For gated experts whose up (w3) global scale
+        differs, FC1 then computes ``up * s_gate / s_up``; the activation is
+        linear in up, so the factor ``s_up / s_gate`` moves to FC2's output:
+        ``w2_alpha = s_w2 * s_up / s_gate``. The FC2 input is quantized
+        dynamically (global scale 1), so its scaling changes nothing else.
+        After a fold every global scale is 1 and so are both alphas.
+        """
+        moe = self.moe_config
+        e = moe.num_local_experts
+        s13 = layer.w13_weight_scale_2.detach().float().reshape(e, -1)  # [E, G]
+        s2 = layer.w2_weight_scale_2.detach().float().reshape(e)
+        if not moe.is_act_and_mul or s13.shape[1] == 1:
+            return s13[:, 0].contiguous(), s2.contiguous()
+        # The [E, 2] columns stay in the order the layer was loaded in
+        # (column g = row group g at load): [w3, w1] when w3 was placed first.
+        up_col = 0 if get_prep_state(layer).load_w3w1 else 1
+        s_up, s_gate = s13[:, up_col], s13[:, 1 - up_col]
+        return s_gate.contiguous(), s2 * (s_up / s_gate)  # x / x is exactly 1
+
+    def bind(self, layer: torch.nn.Module, alpha_mode: bool) -> B12xW4A4Tensors:
+        """The kernel's views of a prepared layer (no copy of a weight)."""
+        moe = self.moe_config
+        e, h, rows = moe.num_local_experts, moe.hidden_dim, w13_rows(moe)
+        inter = moe.intermediate_size_per_partition
+        w1_alpha, w2_alpha = self.alphas(layer)
+        device = layer.w13_weight.device
+        return B12xW4A4Tensors(
+            w1_sf_mma=blockscale_mma_layout_view(layer.w13_weight_scale, rows, h, e),
+            w2_sf_mma=blockscale_mma_layout_view(layer.w2_weight_scale, h, inter, e),
+            w1_alpha=w1_alpha,
+            w2_alpha=w2_alpha,
+            fc1_input_scale=(
+                torch.ones(e, dtype=torch.float32, device=device)
+                if alpha_mode
+                else None
+            ),
+            fc2_input_scale=torch.ones(e, dtype=torch.float32, device=device),
+        )
