@@ -19,6 +19,23 @@ def _python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def _marked_bash_block(marker: str) -> str:
+    """The bash block after ``<!-- marker -->``, as .ci/run reads test-command."""
+    found = re.search(
+        rf"<!-- {marker} -->\s*```bash\n(.*?)```", README.read_text(), flags=re.S
+    )
+    assert found, f"README.md has no bash block after <!-- {marker} -->"
+    return found.group(1)
+
+
+def test_fork_command_builds_the_fork_wheel_with_only_wheel_installed():
+    (command,) = _marked_bash_block("fork-command").strip().splitlines()
+    steps = [step.strip() for step in command.split("&&")]
+    assert steps[-1] == "python tools/build_fork_wheel.py"
+    assert "pip install wheel" in steps
+    assert "torch" not in command
+
+
 def test_loading_snippet_runs_and_prints_what_it_says(tmp_path, monkeypatch):
     from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import main
 
