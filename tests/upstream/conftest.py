@@ -14,7 +14,7 @@ collected and skipped with the reason; nothing from vllm or flashinfer is
 imported then.
 
 Fixtures: the CPU stand-ins (cpu_stand_ins.py) each undone after the test,
-the runner of snippets against unmodified 0.33.0,
+a one-rank vLLM context, the runner of snippets against unmodified 0.33.0,
 and ``upstream_measurements``, printed at the end of the run.
 """
 
@@ -110,6 +110,16 @@ def b12x_prep_on_cpu(
     tensor_cuda_on_cpu: None, b12x_supported_device: None, flashinfer_mma_layout: None
 ) -> None:
     """Every stand-in the FLASHINFER_B12X weight preparation needs on CPU."""
+
+
+@pytest.fixture
+def one_rank_b12x_vllm(b12x_prep_on_cpu: None) -> Iterator[Any]:
+    """A current CPU ``VllmConfig`` with ``moe_backend="flashinfer_b12x"`` and
+    a one-rank gloo group (upstream_layers.one_rank_vllm); yields the config."""
+    from upstream_layers import one_rank_vllm
+
+    with one_rank_vllm("flashinfer_b12x") as config:
+        yield config
 
 
 @pytest.fixture
