@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The README's Python snippet runs as written and prints what its comments
-say; the README's code is ruff-formatted."""
+say; the README's code is ruff-formatted; its vLLM 0.33.0 command names the
+files it uses."""
 
 import contextlib
 import io
@@ -12,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def _python_blocks() -> list[str]:
@@ -61,3 +63,22 @@ def test_readme_code_is_ruff_formatted():
         ["ruff", "format", "--check", str(README)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_upstream_command_installs_files_that_exist_and_runs_tests_upstream_alone():
+    text = README.read_text()
+    block = text.split("<!-- upstream-command -->", 1)[1]
+    command = re.search(r"```bash\n(.*?)\n```", block, flags=re.S).group(1)
+    assert "\n" not in command  # one command
+    for requirements in re.findall(r"-r (\S+)", command):
+        assert (ROOT / requirements).is_file(), requirements
+    # Run from its own directory (its pytest.ini), not from the root, whose
+    # pythonpath would put this tree's vllm/ ahead of the installed wheel.
+    assert command.endswith("(cd tests/upstream && python -m pytest)")
+    assert (ROOT / "tests/upstream/pytest.ini").is_file()
+    # The skip reason of tests/upstream points at this section.
+    title = "## Tests inside vLLM 0.33.0 (CPU)"
+    assert f"\n{title}\n" in text
+    assert title in (ROOT / "tests/upstream/upstream_env.py").read_text()
+    upstream_reqs = (ROOT / "requirements/upstream-cpu.txt").read_text()
+    assert not re.search(r"^vllm\b", upstream_reqs, flags=re.M | re.I)

@@ -1,0 +1,132 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""tests/upstream: tests that run inside vLLM 0.33.0 itself, installed from a
+wheel, on CPU.
+
+Run them from this directory, in the environment README.md's '## Tests
+inside vLLM 0.33.0 (CPU)' builds: ``(cd tests/upstream && python -m pytest)``.
+This directory's pytest.ini (importlib import mode, only this directory on
+``sys.path``) keeps the repository root, and with it this tree's own
+``vllm/`` slice, off ``sys.path``, so ``import vllm`` loads the installed
+one. Anywhere else (the slice's own venv, or ``pytest tests`` from the root,
+whose ``pythonpath = ["."]`` puts the slice first) every test here is
+collected and skipped with the reason; nothing from vllm or flashinfer is
+imported then.
+
+Fixtures: the CPU stand-ins (cpu_stand_ins.py) each undone after the test,
+a one-rank vLLM context, the runner of snippets against unmodified 0.33.0,
+and ``upstream_measurements``, printed at the end of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cpu_stand_ins
+from upstream_env import (
+    UPSTREAM_COMMAND,
+    installed_vllm_problem,
+    run_unmodified_json,
+    unmodified_tree_problem,
+)
+
+_HERE = Path(__file__).resolve().parent
+_MEASUREMENTS: list[tuple[str, str]] = []
+
+
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    problem = installed_vllm_problem()
+    if problem is None:
+        return
+    skip = pytest.mark.skip(
+        reason=f"needs vLLM 0.33.0 from site-packages: {problem}; run "
+        f"{UPSTREAM_COMMAND}"
+    )
+    for item in items:
+        if item.path.is_relative_to(_HERE):
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _MEASUREMENTS:
+        terminalreporter.section("upstream measurements")
+        for key, value in _MEASUREMENTS:
+            terminalreporter.write_line(f"{key}: {value}")
+
+
+@pytest.fixture
+def upstream_measurements(
+    record_property: Callable[[str, object], None],
+) -> Callable[[str, object], None]:
+    """``record(key, value)``: printed in the run's summary section
+    'upstream measurements' and recorded as a JUnit property of the test."""
+
+    def record(key: str, value: object) -> None:
+        _MEASUREMENTS.append((key, str(value)))
+        record_property(key, value)
+        print(f"{key}: {value}")
+
+    return record
+
+
+@pytest.fixture
+def tensor_cuda_on_cpu() -> Iterator[None]:
+    """``tensor.cuda()`` returns the tensor (upstream's swizzle ends in it)."""
+    with cpu_stand_ins.tensor_cuda_returns_self():
+        yield
+
+
+@pytest.fixture
+def b12x_supported_device() -> Iterator[None]:
+    """``FlashInferB12xExperts._supports_current_device()`` says yes."""
+    with cpu_stand_ins.b12x_device_supported():
+        yield
+
+
+@pytest.fixture
+def flashinfer_mma_layout() -> Iterator[None]:
+    """The b12x experts call FlashInfer's ``convert_sf_to_mma_layout``
+    directly (it runs on CPU; vLLM's wrapper may refuse without a toolkit)."""
+    with cpu_stand_ins.flashinfer_mma_layout_bound():
+        yield
+
+
+@pytest.fixture
+def cuda_device_properties() -> Iterator[None]:
+    """``torch.cuda.get_device_properties`` answers for an SM120-like card
+    (FlashInfer's host code sizes a workspace from its SM count)."""
+    with cpu_stand_ins.cuda_device_properties():
+        yield
+
+
+@pytest.fixture
+def b12x_prep_on_cpu(
+    tensor_cuda_on_cpu: None, b12x_supported_device: None, flashinfer_mma_layout: None
+) -> None:
+    """Every stand-in the FLASHINFER_B12X weight preparation needs on CPU."""
+
+
+@pytest.fixture
+def one_rank_b12x_vllm(b12x_prep_on_cpu: None) -> Iterator[Any]:
+    """A current CPU ``VllmConfig`` with ``moe_backend="flashinfer_b12x"`` and
+    a one-rank gloo group (upstream_layers.one_rank_vllm); yields the config."""
+    from upstream_layers import one_rank_vllm
+
+    with one_rank_vllm("flashinfer_b12x") as config:
+        yield config
+
+
+@pytest.fixture
+def unmodified_upstream() -> Callable[..., Any]:
+    """``run(snippet, **kwargs)``: the snippet's global ``result`` after it
+    ran against unmodified vLLM 0.33.0 in a subprocess
+    (upstream_env.run_unmodified_json); skips when that tree is absent."""
+    if problem := unmodified_tree_problem():
+        pytest.skip(problem)
+    return run_unmodified_json

@@ -1,0 +1,283 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Where the tests of tests/upstream run: which vLLM is installed, running a
+snippet against unmodified vLLM 0.33.0 in a subprocess, and loading this
+repository's own pure-torch helpers by file path.
+
+Nothing here imports vllm or flashinfer at module level: the normal slice
+suite imports this file while collecting tests/upstream, to skip it.
+
+Three interpreters' views of ``vllm`` are involved:
+
+* the *installed* vllm: the one in site-packages of the running interpreter
+  (in ``.venv-upstream``: the fork wheel, "vLLM 0.33.0 + this branch");
+* *unmodified* 0.33.0: the untouched unpacked release that
+  ``tools/build_fork_wheel.py`` keeps (``$VLLM_FORK_UPSTREAM_TREE``, default
+  ``build/fork/upstream``), imported ahead of site-packages through
+  ``PYTHONPATH`` in a subprocess;
+* this repository's slice (``<repo>/vllm``): never imported by these tests;
+  single pure-torch files of it are loaded by path under private names.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "FLASHINFER_VERSION",
+    "REPO_ROOT",
+    "SLICE_VLLM",
+    "UPSTREAM_COMMAND",
+    "UPSTREAM_TREE_ENV",
+    "UPSTREAM_VERSION",
+    "SnippetError",
+    "installed_vllm_problem",
+    "load_slice_module",
+    "run_installed_json",
+    "run_python_json",
+    "run_unmodified_json",
+    "unmodified_tree",
+    "unmodified_tree_problem",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: This repository's own vllm package (the slice). Only it counts as "the
+#: slice": a venv inside the repository (.venv-upstream) is not.
+SLICE_VLLM = REPO_ROOT / "vllm"
+HERE = Path(__file__).resolve().parent
+
+#: The release these tests run inside; the fork wheel is this version plus a
+#: local label (``0.33.0+nvfp4moe...``).
+UPSTREAM_VERSION = "0.33.0"
+#: FlashInfer's release whose host code the tests run (requirements/
+#: upstream-cpu.txt pins it; vLLM 0.33.0 itself pins 0.7.2.post1).
+FLASHINFER_VERSION = "0.7.4"
+UPSTREAM_TREE_ENV = "VLLM_FORK_UPSTREAM_TREE"
+_DEFAULT_UPSTREAM_TREE = "build/fork/upstream"
+#: How to run these tests for real; every skip reason names it.
+UPSTREAM_COMMAND = (
+    "the command in README.md, '## Tests inside vLLM 0.33.0 (CPU)' (builds "
+    ".venv-upstream, then runs `(cd tests/upstream && python -m pytest)`)"
+)
+
+_VERSION_RE = re.compile(rf"{re.escape(UPSTREAM_VERSION)}(\+[0-9A-Za-z.]+)?")
+# Default timeout of a snippet: an import of vLLM 0.33.0 alone takes ~20 s
+# on 2 cores, the import walk about as long again.
+_SNIPPET_TIMEOUT_S = 900
+
+
+def _site_dirs() -> list[Path]:
+    paths = sysconfig.get_paths()
+    return [Path(paths[k]).resolve() for k in ("purelib", "platlib")]
+
+
+def _is_within(path: Path, parent: Path) -> bool:
+    try:
+        path.relative_to(parent)
+    except ValueError:
+        return False
+    return True
+
+
+def installed_vllm_problem() -> str | None:
+    """Why this interpreter cannot run tests/upstream, or None if it can.
+
+    It can when ``import vllm`` would load a vLLM 0.33.0 (or 0.33.0+label)
+    from this interpreter's site-packages, not this repository's slice, and
+    flashinfer-python 0.7.4 is installed. Looks only at import specs and
+    package metadata: imports neither package."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError) as e:
+        return f"vllm cannot be located ({type(e).__name__}: {e})"
+    if spec is None or spec.origin is None:
+        return "vllm is not installed"
+    location = Path(spec.origin).resolve().parent
+    if _is_within(location, SLICE_VLLM):
+        return (
+            f"`import vllm` loads this repository's slice ({location}), not an "
+            "installed vLLM 0.33.0"
+        )
+    if not any(_is_within(location, site) for site in _site_dirs()):
+        return f"`import vllm` loads {location}, which is not in site-packages"
+    try:
+        dist = importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return f"vllm at {location} has no installed distribution metadata"
+    if Path(dist.locate_file("vllm")).resolve() != location:
+        return (
+            f"the installed vllm distribution ({dist.version}) is not the one "
+            f"`import vllm` loads ({location})"
+        )
+    if not _VERSION_RE.fullmatch(dist.version):
+        return f"installed vllm is {dist.version}, not {UPSTREAM_VERSION}[+label]"
+    try:
+        fi_version = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "flashinfer-python is not installed"
+    if fi_version != FLASHINFER_VERSION:
+        return f"flashinfer-python is {fi_version}, not {FLASHINFER_VERSION}"
+    return None
+
+
+def unmodified_tree() -> Path:
+    """The unpacked, untouched vLLM 0.33.0 release: ``$VLLM_FORK_UPSTREAM_TREE``
+    (relative paths from the repository root), default ``build/fork/upstream``
+    as ``tools/build_fork_wheel.py`` leaves it. The directory that holds
+    ``vllm/``, i.e. what goes on ``PYTHONPATH``."""
+    tree = Path(os.environ.get(UPSTREAM_TREE_ENV) or _DEFAULT_UPSTREAM_TREE)
+    return tree if tree.is_absolute() else REPO_ROOT / tree
+
+
+def unmodified_tree_problem() -> str | None:
+    """Why unmodified 0.33.0 cannot be run, or None if it can: the tree is
+    missing or is not 0.33.0 (read from its ``vllm/_version.py``)."""
+    tree = unmodified_tree()
+    version_file = tree / "vllm" / "_version.py"
+    if not version_file.is_file():
+        return (
+            f"no unmodified vLLM {UPSTREAM_VERSION} tree at {tree} (run "
+            f"`python tools/build_fork_wheel.py`, or set {UPSTREAM_TREE_ENV} "
+            "to an unpacked vllm-0.33.0 wheel)"
+        )
+    match = re.search(
+        r"__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text()
+    )
+    if match is None or match.group(1) != UPSTREAM_VERSION:
+        found = match.group(1) if match else "no __version__"
+        return f"{version_file} says {found}, not {UPSTREAM_VERSION}"
+    return None
+
+
+class SnippetError(RuntimeError):
+    """A snippet run by :func:`run_python_json` failed; the message carries
+    its exit status and the end of its stderr."""
+
+
+# Runs the snippet as __main__, then writes its global ``result`` and the
+# file of the vllm it imported (if any) as JSON to argv[2].
+_WRAPPER = """\
+import json, runpy, sys
+g = runpy.run_path(sys.argv[1], run_name="__main__")
+vllm = sys.modules.get("vllm")
+out = {"result": g.get("result"), "vllm_file": getattr(vllm, "__file__", None)}
+with open(sys.argv[2], "w") as f:
+    json.dump(out, f)
+"""
+
+
+def run_python_json(
+    snippet: str,
+    *,
+    pythonpath: list[Path] | tuple[Path, ...] = (),
+    timeout: float = _SNIPPET_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> tuple[Any, str | None]:
+    """Run ``snippet`` in a fresh interpreter (this one's executable) and
+    return (its global ``result``, JSON round-tripped; the ``__file__`` of the
+    vllm it imported, or None).
+
+    ``sys.path`` of the child: ``pythonpath`` first, then this directory
+    (tests/upstream, so the snippet can import the helpers here), then the
+    interpreter's own; never the repository root, whose ``vllm/`` would
+    shadow the installed one. The child runs in a temporary directory.
+    Raises :class:`SnippetError` if it exits non-zero or writes no result.
+    """
+    with tempfile.TemporaryDirectory(prefix="upstream-snippet-") as tmp:
+        script, wrapper, out = (Path(tmp) / n for n in ("s.py", "w.py", "o.json"))
+        script.write_text(snippet)
+        wrapper.write_text(_WRAPPER)
+        child_env = {**os.environ, **(env or {})}
+        child_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (*pythonpath, HERE))
+        proc = subprocess.run(
+            [sys.executable, str(wrapper), str(script), str(out)],
+            cwd=tmp,
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0 or not out.is_file():
+            raise SnippetError(
+                f"snippet exited with status {proc.returncode}; stderr ends:\n"
+                f"{proc.stderr[-4000:]}"
+            )
+        data = json.loads(out.read_text())
+    return data["result"], data["vllm_file"]
+
+
+def run_installed_json(snippet: str, **kwargs: Any) -> Any:
+    """:func:`run_python_json` against the installed vllm; checks that the
+    child imported it from site-packages (not the repository's slice)."""
+    result, vllm_file = run_python_json(snippet, **kwargs)
+    if vllm_file is not None and _is_within(Path(vllm_file).resolve(), SLICE_VLLM):
+        raise SnippetError(f"the child imported this repository's vllm: {vllm_file}")
+    return result
+
+
+def run_unmodified_json(snippet: str, **kwargs: Any) -> Any:
+    """:func:`run_python_json` against unmodified vLLM 0.33.0
+    (:func:`unmodified_tree` first on ``PYTHONPATH``); checks that the child
+    imported vllm from that tree. Call :func:`unmodified_tree_problem` first
+    (the fixture ``unmodified_upstream`` skips on it)."""
+    tree = unmodified_tree().resolve()
+    result, vllm_file = run_python_json(snippet, pythonpath=[tree], **kwargs)
+    if vllm_file is not None and not _is_within(Path(vllm_file).resolve(), tree):
+        raise SnippetError(f"the child imported vllm from {vllm_file}, not {tree}")
+    return result
+
+
+def _vllm_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+    return [m for m in found if m == "vllm" or m.startswith("vllm.")]
+
+
+def load_slice_module(relpath: str) -> ModuleType:
+    """Load one file of this repository's slice, e.g.
+    ``"vllm/utils/mem_utils.py"``, as a module named ``_slice_<path>``
+    (``_slice_vllm_utils_mem_utils``), without putting the repository on
+    ``sys.path``: the installed vllm stays what ``import vllm`` loads.
+
+    Only for files that import nothing from vllm (pure torch and the
+    standard library): a ``vllm`` import would bind the installed package's
+    module, mixing the two, so such a file is refused with ValueError.
+    Loaded once per process; later calls return the same module."""
+    path = (REPO_ROOT / relpath).resolve()
+    if not _is_within(path, SLICE_VLLM) or path.suffix != ".py":
+        raise ValueError(f"{relpath!r} is not a .py file of this repository's vllm/")
+    name = "_slice_" + re.sub(r"\W", "_", str(path.relative_to(REPO_ROOT))[:-3])
+    if name in sys.modules:
+        return sys.modules[name]
+    if imports := _vllm_imports(path):
+        raise ValueError(
+            f"{relpath} imports {', '.join(imports)}; loaded by path it would "
+            "bind the installed vllm's modules"
+        )
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses and pickling look the module up by name while it executes.
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
