@@ -60,10 +60,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MANIFEST = ROOT / "tools" / "fork_manifest.toml"
 _MODES = {
     # mode -> (required keys, optional keys) besides path and mode
-    "splice": ({"definitions"}, set()),
+    "splice": ({"definitions"}, {"stand_ins"}),
     "new": (set(), set()),
     "replace": (set(), set()),
-    "envs": ({"variables"}, {"definitions"}),
+    "envs": ({"variables"}, {"definitions", "stand_ins"}),
 }
 _WHEEL_NAME = re.compile(
     r"^(?P<name>[^-]+)-(?P<version>[^-]+)(?:-(?P<build>\d[^-]*))?"
@@ -109,6 +109,7 @@ class FileEntry:
     mode: str
     definitions: tuple[str, ...] = ()
     variables: tuple[str, ...] = ()
+    stand_ins: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +239,9 @@ def load_manifest(path: Path) -> Manifest:
                 variables=_strings(where, "variables", entry["variables"])
                 if "variables" in entry
                 else (),
+                stand_ins=_strings(where, "stand_ins", entry["stand_ins"])
+                if "stand_ins" in entry
+                else (),
             )
         )
     return Manifest(release, tuple(files))
@@ -252,7 +256,7 @@ def check_tree(manifest: Manifest, tree: Path) -> None:
             raise BuildError(f"{entry.path} ({entry.mode}): not found in {tree}")
         text = _read(path)
         names = fork_splice.top_level_names(entry.path, text)
-        for name in entry.definitions:
+        for name in (*entry.definitions, *entry.stand_ins):
             if name not in names:
                 raise BuildError(
                     f"{entry.path}: {name} is not a top-level definition (def, class "
@@ -495,12 +499,17 @@ def _splice(
             result, names = branch, None
         elif entry.mode == "splice":
             result, report = fork_splice.splice_definitions(
-                entry.path, theirs, branch, entry.definitions
+                entry.path, theirs, branch, entry.definitions, entry.stand_ins
             )
             names = [*entry.definitions, *report.imported_names]
         else:
             result, report = fork_splice.splice_envs(
-                entry.path, theirs, branch, entry.variables, entry.definitions
+                entry.path,
+                theirs,
+                branch,
+                entry.variables,
+                entry.definitions,
+                entry.stand_ins,
             )
             names = [*entry.definitions, *report.imported_names]
         target = fork / entry.path

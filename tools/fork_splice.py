@@ -549,8 +549,16 @@ def _all_names(mod: _Module) -> list[str] | None:
 class _Splicer:
     """Accumulates edits of upstream's text; :meth:`finish` applies them."""
 
-    def __init__(self, path: str, upstream: str, branch: str, mode: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        upstream: str,
+        branch: str,
+        mode: str,
+        stand_ins: Sequence[str] = (),
+    ) -> None:
         self.path = path
+        self.stand_ins = frozenset(stand_ins)
         self.up = _Module(_Source(path, upstream, "upstream's"))
         self.br = _Module(_Source(path, branch, "the branch's"))
         self.report = FileReport(path, mode, lines_before=len(self.up.src.lines))
@@ -694,6 +702,13 @@ class _Splicer:
 
     def _resolve(self, name: str, need: _Need, user: str) -> None:
         if name in self.spliced:
+            return
+        if name in self.stand_ins:
+            if not self.up.bindings.get(name):
+                raise SpliceError(
+                    f"{self.path}: {name} used by {user} is a stand-in in the "
+                    f"manifest, but upstream's {self.path} does not bind it"
+                )
             return
         up = self.up.bindings.get(name, [])
         br = self.br.bindings.get(name, [])
@@ -1138,16 +1153,23 @@ def _annotation_of(block: ast.If | None, var: str) -> ast.AnnAssign | None:
 
 
 def splice_definitions(
-    path: str, upstream: str, branch: str, definitions: Sequence[str]
+    path: str,
+    upstream: str,
+    branch: str,
+    definitions: Sequence[str],
+    stand_ins: Sequence[str] = (),
 ) -> tuple[str, FileReport]:
     """Put the branch's top-level ``definitions`` into upstream's module.
 
     Each replaces upstream's definition of the same name (its whole span,
     decorators included) or, when upstream lacks it, is added with the
-    comment lines directly above it in the branch. Returns the new text of
-    upstream's file and the report. Raises :class:`SpliceError`.
+    comment lines directly above it in the branch. ``stand_ins``: names the
+    branch's file binds only in place of upstream's own (upstream's binding,
+    a definition or an import, is what the spliced definitions then use; it
+    must exist). Returns the new text of upstream's file and the report.
+    Raises :class:`SpliceError`.
     """
-    splicer = _Splicer(path, upstream, branch, "splice")
+    splicer = _Splicer(path, upstream, branch, "splice", stand_ins)
     splicer.definitions(definitions)
     return splicer.finish()
 
@@ -1158,14 +1180,16 @@ def splice_envs(
     branch: str,
     variables: Sequence[str],
     definitions: Sequence[str] = (),
+    stand_ins: Sequence[str] = (),
 ) -> tuple[str, FileReport]:
     """Add the branch's ``environment_variables`` entries for ``variables``
     to upstream's dict literal (before its closing brace) and their
     annotations from the branch's ``if TYPE_CHECKING:`` block to upstream's
     (at its end); ``definitions`` (helpers the entries call) are spliced as
     by :func:`splice_definitions`. An entry upstream already has must be
-    identical. Raises :class:`SpliceError`."""
-    splicer = _Splicer(path, upstream, branch, "envs")
+    identical; ``stand_ins`` as for :func:`splice_definitions`. Raises
+    :class:`SpliceError`."""
+    splicer = _Splicer(path, upstream, branch, "envs", stand_ins)
     splicer.definitions(definitions)
     splicer.env_variables(variables)
     return splicer.finish()

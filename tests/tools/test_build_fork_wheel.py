@@ -931,7 +931,11 @@ def test_the_real_manifest_splices_into_the_real_release():
             fork_splice.check_replacement(entry.path, upstream.read_text(), branch)
         elif entry.mode == "splice":
             fork_splice.splice_definitions(
-                entry.path, upstream.read_text(), branch, entry.definitions
+                entry.path,
+                upstream.read_text(),
+                branch,
+                entry.definitions,
+                entry.stand_ins,
             )
         else:
             fork_splice.splice_envs(
@@ -940,4 +944,5 @@ def test_the_real_manifest_splices_into_the_real_release():
                 branch,
                 entry.variables,
                 entry.definitions,
+                entry.stand_ins,
             )

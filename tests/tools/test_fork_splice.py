@@ -253,6 +253,27 @@ def test_a_changed_helper_that_is_not_listed_is_an_error():
     )
 
 
+def test_a_stand_in_keeps_upstreams_binding():
+    # The branch carries a stand-in for code of upstream's it does not have;
+    # listed as a stand-in, upstream's own (a definition, or an import) stays.
+    branch = (
+        "def _helper():\n    raise NotImplementedError\n\n\n"
+        "def f():\n    return _helper()\n"
+    )
+    upstream = "def _helper():\n    return 1\n"
+    text, _ = splice_definitions(PATH, upstream, branch, ["f"], ["_helper"])
+    assert text == upstream + "\n\ndef f():\n    return _helper()\n"
+    imported = "from pkg.util import _helper\n"
+    text, _ = splice_definitions(PATH, imported, branch, ["f"], ["_helper"])
+    assert text == imported + "\n\ndef f():\n    return _helper()\n"
+    # Control: not listed, the difference is an error; a stand-in upstream
+    # does not bind is one too.
+    with pytest.raises(SpliceError, match="differs between the branch"):
+        splice_definitions(PATH, upstream, branch, ["f"])
+    with pytest.raises(SpliceError, match="a stand-in in the manifest, but"):
+        splice_definitions(PATH, "x = 1\n", branch, ["f"], ["_helper"])
+
+
 def test_an_identical_helper_is_used_as_upstream_has_it():
     upstream = "def _helper():\n    return 1\n"
     branch = "def _helper():\n    return 1\n\n\ndef f():\n    return _helper()\n"

@@ -18,7 +18,8 @@ What each replaces and why (read from the 0.33.0 wheel, run on CPU):
   of FlashInfer's code: that function runs on CPU as it is (a view of the
   swizzled bytes). vLLM's wrapper calls it only when ``has_flashinfer()``,
   which asks for flashinfer-cubin or nvcc and ninja on PATH; on a machine
-  without a CUDA toolkit it would raise instead.
+  without a CUDA toolkit it would raise instead. (With this branch the
+  experts module makes the view itself and has no such name: nothing to bind.)
 * ``torch.cuda.get_device_properties`` -> an SM120-like namespace. Not used
   by the weight preparation; FlashInfer's host code (``B12xMoEWrapper``)
   sizes its workspace from the SM count, so tests that run ``apply`` need it.
@@ -95,6 +96,9 @@ def flashinfer_mma_layout_bound() -> contextlib.AbstractContextManager[None]:
 
     from vllm.model_executor.layers.fused_moe.experts import flashinfer_b12x_moe
 
+    if not hasattr(flashinfer_b12x_moe, "flashinfer_convert_sf_to_mma_layout"):
+        # This branch's experts make the view themselves (pure torch).
+        return contextlib.nullcontext()
     return patched_attribute(
         flashinfer_b12x_moe,
         "flashinfer_convert_sf_to_mma_layout",

@@ -23,11 +23,9 @@ from vllm.model_executor.layers.fused_moe.config import (
     nvfp4_moe_quant_config,
     nvfp4_w4a16_moe_quant_config,
 )
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
     MoEPrepareAndFinalizeNoDPEPModular,
 )
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     global_scale_from_modelopt,
@@ -162,9 +160,14 @@ def dequantized_checkpoint_layer(ckpt, layer_idx: int, gated: bool):
 
 def make_nvfp4_layer(
     e, topk, k, n, gated, backend, device="cpu", max_num_tokens=256, **experts_kwargs
-) -> FusedMoE:
-    """A FusedMoE NVFP4 layer in checkpoint layout ([w1; w3], no load-time
-    placement), for :func:`load_nvfp4_experts` to copy tensors into."""
+):
+    """This tree's FusedMoE NVFP4 layer in checkpoint layout ([w1; w3], no
+    load-time placement), for :func:`load_nvfp4_experts` to copy tensors
+    into. (Imported here: vLLM 0.33.0, where the rest of this module runs
+    too, has no ``FusedMoE`` class.)"""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
     return FusedMoE(
         num_experts=e,
         top_k=topk,
@@ -181,7 +184,7 @@ def make_nvfp4_layer(
     )
 
 
-def load_nvfp4_experts(layer: FusedMoE, tensors: dict) -> None:
+def load_nvfp4_experts(layer: torch.nn.Module, tensors: dict) -> None:
     """Copy ModelOpt tensors into the layer's parameters (checkpoint layout)."""
     with torch.no_grad():
         for name, value in tensors.items():
