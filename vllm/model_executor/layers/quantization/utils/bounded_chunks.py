@@ -45,10 +45,13 @@ DEFAULT_MAX_TRANSIENT_BYTES = 64 << 20
 # Below ~512 KiB the per-chunk dispatch overhead dominates; above the L3-resident
 # range the temporary spills to DRAM and traffic grows to 1.5x. 2 MiB (1 MiB per
 # core when torch splits a copy over two threads) sits on the plateau.
+# The CPU buffer is 64 KiB short of 2 MiB, so that it and a layer's few [E]
+# float32 tensors of bookkeeping (alphas, input scales: 8 x 4 bytes per
+# expert, 64 KiB at 2048 experts) stay within 2 MiB together.
 # On CUDA every chunk costs three kernel launches (~5 us each) while even a
 # 32 MiB L2 of a consumer Blackwell card keeps a 16 MiB buffer resident, so
 # the buffer is larger there; this value is reasoned, not measured on SM12x.
-_TILE_BYTES = {"cpu": 2 << 20, "cuda": 16 << 20}
+_TILE_BYTES = {"cpu": (2 << 20) - (64 << 10), "cuda": 16 << 20}
 _DEFAULT_TILE_BYTES = 2 << 20
 
 
