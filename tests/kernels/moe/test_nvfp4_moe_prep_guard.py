@@ -41,6 +41,10 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
 
 UNPADDED = SHAPES[2]  # E4_H256_I128: swizzled scales have the linear shapes
 MODES = ["alpha", "fold"]
+#: W4A4 (the swizzled layout) and W4A16 (FlashInfer's packed one, whose
+#: kernel views are int32 views of the uint8 parameters): copies, saves and
+#: state dicts of either must work alike.
+QUANT_MODES = ["w4a4", "w4a16"]
 
 
 def _fresh(shape, tensors, **kwargs):
@@ -91,13 +95,14 @@ def test_data_assignment_on_a_prepared_layer_is_refused(name):
         _prepare(layer)
 
 
-def test_prepared_state_dict_loads_only_into_a_prepared_layer():
+@pytest.mark.parametrize("quant_mode", QUANT_MODES)
+def test_prepared_state_dict_loads_only_into_a_prepared_layer(quant_mode):
     shape = UNPADDED  # shapes equal: only the layout can tell them apart
     tensors = _tensors(*shape, seed=1)
-    prepared = _fresh(shape, tensors)
+    prepared = _fresh(shape, tensors, quant_mode=quant_mode)
     sd = prepared.state_dict()
     assert sd["_extra_state"]["status"] == "prepared"
-    fresh = _layer(shape, _tensors(*shape, seed=2))
+    fresh = _layer(shape, _tensors(*shape, seed=2), quant_mode=quant_mode)
     before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
     with pytest.raises(RuntimeError, match="prepared state dict loads only into a "
                        "prepared layer"):  # fmt: skip
@@ -118,14 +123,17 @@ def test_prepared_state_dict_loads_only_into_a_prepared_layer():
         fresh.load_state_dict(sd, strict=False)
 
 
-def test_loading_state_dict_into_a_prepared_layer_reloads_it():
-    shape = SHAPES[0]
+@pytest.mark.parametrize("quant_mode", QUANT_MODES)
+def test_loading_state_dict_into_a_prepared_layer_reloads_it(quant_mode):
+    shape = UNPADDED
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
-    source = _layer(shape, new)  # checkpoint layout, not prepared
-    layer = _fresh(shape, old)
+    # checkpoint layout, not prepared
+    source = _layer(shape, new, quant_mode=quant_mode)
+    layer = _fresh(shape, old, quant_mode=quant_mode)
     layer.load_state_dict(source.state_dict())
     assert layer.weight_prep_state.status is PrepStatus.LOADING
-    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+    want = _snapshot(_fresh(shape, new, quant_mode=quant_mode))
+    _assert_same(_snapshot(_prepare(layer)), want)
 
 
 def test_restore_then_checkpoint_layout_copy_is_reordered():
@@ -140,24 +148,55 @@ def test_restore_then_checkpoint_layout_copy_is_reordered():
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
-def test_faithful_copies_of_a_prepared_layer_work(how):
-    shape = SHAPES[0]
-    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
-    layer = _fresh(shape, old)
+def _copy(layer, how):
     if how == "deepcopy":
-        twin = copy.deepcopy(layer)
-    else:
-        buf = io.BytesIO()
-        torch.save(layer, buf)
-        twin = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+        return copy.deepcopy(layer)
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+
+
+@pytest.mark.parametrize("quant_mode", QUANT_MODES)
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_faithful_copies_of_a_prepared_layer_work(how, quant_mode):
+    shape = SHAPES[0] if quant_mode == "w4a4" else UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old, quant_mode=quant_mode)
+    twin = _copy(layer, how)
     x, logits = _io(shape)
     assert torch.equal(twin(x, logits), layer(x, logits))
     _assert_same(_snapshot(twin), _snapshot(layer))
+    # The copy's kernel views are its own parameters' (not the original's).
+    twin_kernel = twin.quant_method.experts.prepared
+    first = twin_kernel.w13 if quant_mode == "w4a16" else twin_kernel.w1_sf_mma
+    assert first.data_ptr() == twin.w13_weight.data_ptr() or (
+        first.data_ptr() == twin.w13_weight_scale.data_ptr()
+    )
     # The copy is its own layer: a reload of it leaves the original alone.
     _load_through_loader(twin, new)
-    _assert_same(_snapshot(_prepare(twin)), _snapshot(_fresh(shape, new)))
-    _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old)))
+    want = _snapshot(_fresh(shape, new, quant_mode=quant_mode))
+    _assert_same(_snapshot(_prepare(twin)), want)
+    _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old, quant_mode=quant_mode)))
+
+
+@pytest.mark.parametrize("quant_mode", QUANT_MODES)
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_modified_prepared_layer_refuses_like_the_original(how, quant_mode):
+    shape = UNPADDED
+    layer = _fresh(shape, _tensors(*shape, seed=1), quant_mode=quant_mode)
+    with torch.no_grad():
+        layer.w2_weight.add_(1)  # behind the layer's back: counter moves
+    x, logits = _io(shape)
+    with pytest.raises(RuntimeError, match="w2_weight modified in place"):
+        layer(x, logits)
+    twin = _copy(layer, how)
+    with pytest.raises(RuntimeError, match="modified in place or replaced"):
+        twin(x, logits)
+    with pytest.raises(RuntimeError, match="modified in place or replaced"):
+        _prepare(twin)
+    # Control: a copy of the unmodified layer runs.
+    clean = _fresh(shape, _tensors(*shape, seed=1), quant_mode=quant_mode)
+    assert torch.equal(_copy(clean, how)(x, logits), clean(x, logits))
 
 
 # --- item 3: partial reload with differing w1/w3 global scales ----------------

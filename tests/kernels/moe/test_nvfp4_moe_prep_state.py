@@ -40,6 +40,7 @@ BACKEND = "flashinfer_b12x_emulated"
 SHAPES = [(3, 192, 80, True), (2, 320, 80, False), (4, 256, 128, True)]
 SHAPE_IDS = ["E3_H192_I80_silu", "E2_H320_I80_relu2", "E4_H256_I128_silu"]
 CAP = 16 << 10  # many chunks per step at these shapes
+W4A16_CAP = 64 << 10
 
 
 class Interrupt(BaseException):
@@ -85,8 +86,10 @@ def _tensors(e, h, i, gated, seed):
 
 def _layer(shape, tensors, **kwargs):
     e, h, i, gated = shape
-    layer = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP,
-                             weights_only=True, **kwargs)  # fmt: skip
+    # W4A16 needs one 64-row strip and an expert's cycle plan at the least.
+    cap = CAP if kwargs.get("quant_mode", "w4a4") == "w4a4" else W4A16_CAP
+    kwargs.setdefault("max_transient_bytes", cap)
+    layer = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, weights_only=True, **kwargs)
     load_nvfp4_experts(layer, tensors)
     return layer
 
@@ -102,12 +105,16 @@ def _snapshot(layer) -> dict[str, torch.Tensor]:
     snap = {n: bytes_of(p.detach().contiguous()).clone() for n, p in params.items()}
     snap |= {f"shape:{n}": torch.tensor(p.shape) for n, p in params.items()}
     experts = layer.quant_method.experts
-    qc = experts.quant_config
-    for key in ("g1_alphas", "g2_alphas"):
-        snap[key] = getattr(qc, key).clone()
-    snap["fc2"] = experts._fc2_input_scale.clone()
+    kernel = experts.prepared
+    if experts.weight_only:  # W4A16: the packed views and global scales
+        for key in ("w13", "w13_scale", "w13_global_scale", "w2", "w2_scale",
+                    "w2_global_scale"):  # fmt: skip
+            snap[key] = bytes_of(getattr(kernel, key).contiguous()).clone()
+        return snap
+    for key in ("w1_alpha", "w2_alpha", "fc2_input_scale"):
+        snap[key] = getattr(kernel, key).clone()
     for key in ("w1_sf_mma", "w2_sf_mma"):
-        view = getattr(experts, key)
+        view = getattr(kernel, key)
         snap[key] = bytes_of(view.permute(5, 2, 4, 0, 1, 3).contiguous())
     return snap
 

@@ -159,7 +159,16 @@ def dequantized_checkpoint_layer(ckpt, layer_idx: int, gated: bool):
 
 
 def make_nvfp4_layer(
-    e, topk, k, n, gated, backend, device="cpu", max_num_tokens=256, **experts_kwargs
+    e,
+    topk,
+    k,
+    n,
+    gated,
+    backend,
+    device="cpu",
+    max_num_tokens=256,
+    quant_mode="w4a4",
+    **experts_kwargs,
 ):
     """This tree's FusedMoE NVFP4 layer in checkpoint layout ([w1; w3], no
     load-time placement), for :func:`load_nvfp4_experts` to copy tensors
@@ -174,7 +183,7 @@ def make_nvfp4_layer(
         hidden_size=k,
         intermediate_size=n,
         activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config.for_mode(),
+        quant_config=ModelOptNvFp4Config.for_mode(quant_mode),
         moe_backend=backend,
         params_dtype=torch.bfloat16,
         device=device,

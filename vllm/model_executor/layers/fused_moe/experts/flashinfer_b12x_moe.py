@@ -391,13 +391,32 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
                     f"restoring the load layout failed: {err}",
                 )
 
+    # -- copies (copy.deepcopy, pickle, torch.save) --------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        # The kernel's views are made again from the copy's own parameters
+        # (W4A16's int32 views of uint8 parameters cannot even be saved), and
+        # FlashInfer's objects are the device's.
+        d = dict(self.__dict__)
+        d.update(
+            prepared=None,
+            w1_sf_mma=None,
+            w2_sf_mma=None,
+            _fc2_input_scale=None,
+            _wrapper=None,
+            _flashinfer_packed=None,
+        )
+        return d
+
     def _check_prepared(self) -> None:
-        if self.prepared is None or self._guard is None:
+        if self._guard is None:
             raise RuntimeError(
                 f"{type(self).__name__}.apply called before "
                 "process_weights_after_loading prepared the layer's weights"
             )
         state, layer = self._guard
+        if self.prepared is None and state.status is PrepStatus.PREPARED:
+            state.check_unchanged(layer)
+            self.bind_prepared(layer)  # a copy of prepared experts
         if state.status is not PrepStatus.PREPARED:
             raise RuntimeError(
                 "the MoE layer's weights are not prepared (status "
