@@ -102,6 +102,17 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         global_scale_mode: str | None = None,
     ):
         super().__init__(moe_config=moe_config, quant_config=quant_config)
+        # The layer's shape, under upstream's names.
+        self.out_dtype = moe_config.in_dtype
+        self.num_local_experts = moe_config.num_local_experts
+        self.ep_rank = moe_config.moe_parallel_config.ep_rank
+        self.global_num_experts = moe_config.num_experts
+        self.topk = moe_config.experts_per_token
+        self.hidden_dim = moe_config.hidden_dim
+        self.intermediate_size_per_partition = (
+            moe_config.intermediate_size_per_partition
+        )
+        self.local_expert_offset = self.ep_rank * self.num_local_experts
         if quant_config.use_nvfp4_w4a16:
             self.weight_only = True
         elif quant_config.quant_dtype == "nvfp4":
