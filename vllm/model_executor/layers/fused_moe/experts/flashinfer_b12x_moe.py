@@ -331,7 +331,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             self.prepared = self.weights.bind(layer)
         else:
             alpha = self.effective_global_scale_mode == "alpha"
-            tensors = self.weights.bind(layer, alpha)
+            tensors = self.weights.bind(layer, alpha, self.quant_config)
             self.prepared = tensors
             self.w1_sf_mma, self.w2_sf_mma = tensors.w1_sf_mma, tensors.w2_sf_mma
             self._fc2_input_scale = tensors.fc2_input_scale
@@ -475,8 +475,8 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             self._wrapper = make_b12x_wrapper(self.moe_config, hidden_states.device)
         extra = {}
         if t.fc1_input_scale is not None:
-            # The FC1 input keeps its own (dynamic, global 1) quantization;
-            # w1_alpha is then the weight's global scale alone.
+            # The FC1 input's own scale (calibrated); w1_alpha is then the
+            # weight's global scale alone (the wrapper multiplies the two).
             extra["input_global_scale"] = t.fc1_input_scale
         return self._wrapper.run(
             hidden_states,
