@@ -19,6 +19,7 @@ and up swapped.
 """
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -33,6 +34,9 @@ from tests.kernels.moe.utils import (
 )
 from tests.kernels.utils import torch_moe, torch_topk
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
+from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+    _b12x_activation_scales,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     FLOAT4_E2M1_MAX,
     FLOAT8_E4M3_MAX,
@@ -189,3 +193,49 @@ def test_fold_mode_keeps_upstreams_call(experts, case):
     assert kernel.fc1_input_scale is None
     for t in (kernel.fc2_input_scale, kernel.w1_alpha, kernel.w2_alpha):
         assert torch.equal(t, torch.ones(E))
+
+
+def _scale_layer(expert_map=None, enable_eplb=False):
+    parallel = types.SimpleNamespace(enable_eplb=enable_eplb)
+    moe = types.SimpleNamespace(moe_parallel_config=parallel)
+    return types.SimpleNamespace(moe_config=moe, expert_map=expert_map)
+
+
+def test_activation_scales_stay_per_expert():
+    # [E, 2] FC1 scales (w1, w3): the larger per expert; FC2's as they are.
+    a13 = torch.tensor([[1.0, 2.0], [4.0, 3.0], [0.5, 0.5]])
+    a2 = torch.tensor([7.0, 8.0, 9.0])
+    fc1, fc2 = _b12x_activation_scales(_scale_layer(), a13, a2, 3)
+    assert torch.equal(fc1, torch.tensor([2.0, 4.0, 0.5]))
+    assert torch.equal(fc2, a2)
+    assert fc1.dtype == fc2.dtype == torch.float32
+
+
+def test_activation_scales_for_all_experts_are_narrowed_by_the_expert_map():
+    # Four global experts' scales on a rank holding experts 3 and 1, as local
+    # 0 and 1.
+    expert_map = torch.tensor([-1, 1, -1, 0], dtype=torch.int32)
+    a13 = torch.tensor([[1.0, 1.0], [2.0, 2.5], [3.0, 3.0], [4.0, 3.5]])
+    a2 = torch.tensor([10.0, 20.0, 30.0, 40.0])
+    fc1, fc2 = _b12x_activation_scales(_scale_layer(expert_map), a13, a2, 2)
+    assert torch.equal(fc1, torch.tensor([4.0, 2.5]))
+    assert torch.equal(fc2, torch.tensor([40.0, 20.0]))
+
+
+def test_activation_scales_of_another_size_are_refused():
+    a13, a2 = torch.ones(5, 2), torch.ones(5)
+    with pytest.raises(ValueError, match="w13_input_scale has 5 experts"):
+        _b12x_activation_scales(_scale_layer(), a13, a2, 3)
+    # An expert map that holds another number of experts than the layer.
+    expert_map = torch.tensor([0, 1, 2, -1, -1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="expert map"):
+        _b12x_activation_scales(_scale_layer(expert_map), a13, a2, 2)
+
+
+def test_activation_scales_under_eplb_take_the_shared_max():
+    # One max shared by all experts, all-reduced over the EP group upstream
+    # (amax_for_moe_activation_quant); this tree has no EPLB and says so.
+    with pytest.raises(NotImplementedError, match="load balancing"):
+        _b12x_activation_scales(
+            _scale_layer(enable_eplb=True), torch.ones(2, 2), torch.ones(2), 2
+        )
