@@ -45,8 +45,7 @@ def pytest_collection_modifyitems(
     if problem is None:
         return
     skip = pytest.mark.skip(
-        reason=f"needs vLLM 0.33.0 from site-packages: {problem}; run "
-        f"{UPSTREAM_COMMAND}"
+        reason=f"needs an installed vLLM 0.33.0: {problem}; run {UPSTREAM_COMMAND}"
     )
     for item in items:
         if item.path.is_relative_to(_HERE):
