@@ -30,14 +30,6 @@ MIB = 1 << 20
 # that the control measures the whole-tensor preparation at all.
 UNMODIFIED_PEAK_FLOOR = 100 * MIB
 
-_QWEN36_PREP = """\
-from upstream_layers import prep_reports_on_cpu
-result = prep_reports_on_cpu(
-    [("qwen3.6-35b-a3b", "modelopt"), ("qwen3.6-35b-a3b", "compressed-tensors")],
-    measure=True,
-)
-"""
-
 
 #: The fork's compressed-tensors global scales are 1 / (1 / s) in float32
 #: (the method inverts the stored inverse): one rounding each way.
@@ -104,9 +96,9 @@ def test_installed_b12x_preparation_on_cpu(
 
 @pytest.mark.slow
 def test_unmodified_qwen36_layer_preparation_peak(
-    unmodified_upstream, upstream_measurements
+    unmodified_qwen36_reports, upstream_measurements
 ):
-    reports = unmodified_upstream(_QWEN36_PREP)
+    reports = list(unmodified_qwen36_reports.values())
     for report in reports:
         _check_b12x_preparation(report, QWEN36_35B_A3B, fork=False)
         upstream_measurements(

@@ -65,6 +65,7 @@ __all__ = [
     "MOE_SHAPES",
     "QWEN36_35B_A3B",
     "SMALL",
+    "UP_GATE_RATIO",
     "MoEShape",
     "SyntheticNvfp4Experts",
     "checkpoint_dequantized_experts",
@@ -107,6 +108,11 @@ SMALL = MoEShape("small", 8, 256, 128, 2)
 #: Qwen3.6-35B-A3B's MoE layer (40 of them): w13 256 MiB, its scales 32 MiB.
 QWEN36_35B_A3B = MoEShape("qwen3.6-35b-a3b", 256, 2048, 512, 8)
 MOE_SHAPES = {s.name: s for s in (SMALL, QWEN36_35B_A3B)}
+
+#: up's global scale / gate's, per expert, log-uniform in this range, for the
+#: checkpoints whose gate and up global scales differ (upstream's methods
+#: warn and use gate's for both).
+UP_GATE_RATIO = (0.5, 2.0)
 
 #: The two NVFP4 checkpoint formats whose MoE methods reach FLASHINFER_B12X.
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
@@ -600,6 +606,7 @@ def prepare_layer(
     measure: bool = False,
     seed: int = 0,
     up_gate_ratio: tuple[float, float] | None = None,
+    prefix: str = "model.layers.0.mlp.experts",
 ) -> tuple[torch.nn.Module, SyntheticNvfp4Experts, dict[str, Any]]:
     """Build the layer, load synthetic weights (:func:`synthetic_nvfp4_experts`
     with ``seed`` and ``up_gate_ratio``) and run the quant method's
@@ -607,9 +614,10 @@ def prepare_layer(
     with ``measure``, extra has the preparation's ``peak_bytes`` and
     ``net_bytes`` by this repository's ``measure_peak_memory`` (torch's CPU
     allocator accounting; loaded by path) and its ``prep_seconds`` (wall
-    time of the call). Call inside :func:`one_rank_vllm` with
+    time of the call). ``prefix``: the layer's name (one config holds one
+    layer per name). Call inside :func:`one_rank_vllm` with
     ``b12x_preparation_on_cpu`` active."""
-    layer = make_nvfp4_moe_layer(shape, checkpoint_format)
+    layer = make_nvfp4_moe_layer(shape, checkpoint_format, prefix=prefix)
     experts = synthetic_nvfp4_experts(shape, seed, up_gate_ratio)
     load_synthetic_experts(layer, experts, checkpoint_format)
     extra: dict[str, Any] = {}

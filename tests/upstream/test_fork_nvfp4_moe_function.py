@@ -1,0 +1,135 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The checkpoint's function survives the fork's preparation through
+upstream's own ModelOpt and compressed-tensors W4A4 methods, also when gate
+and up carry different global scales, which unmodified 0.33.0 does not.
+
+The prepared layer is computed by the fork's ``FlashInferB12xEmulatedExperts``
+(the real experts' preparation and views, ``apply`` in torch; built from the
+method's ``moe_config`` and ``moe_quant_config``, bound to the prepared
+layer, ``weights_only=True``: BF16 activations) and compared with the BF16
+reference MoE (tests/kernels/utils.py) on the checkpoint's dequantized
+weights, each half of w13 with its own global scale. Tolerance: 0.01
+relative RMS (the reference rounds the weights to BF16, 2^-9 relative, and
+both round the intermediate to BF16). Negative control: the reference with
+gate and up exchanged misses it many times over.
+
+Unmodified 0.33.0 (in a subprocess, the same checkpoints): the function its
+prepared bytes encode (codes x unswizzled block scales x the alphas its
+kernel is given), against the same reference. Its methods use gate's global
+scale for up too (they warn "Accuracy may be affected"); the error that
+leaves is recorded as a measurement.
+"""
+
+import pytest
+import torch
+
+from upstream_layers import (
+    CHECKPOINT_FORMATS,
+    SMALL,
+    UP_GATE_RATIO,
+    checkpoint_dequantized_experts,
+    moe_inputs,
+    prepare_layer,
+    prepared_function_errors,
+    reference_moe,
+    rel_rms,
+)
+
+#: Relative RMS error allowed against the BF16 reference.
+REL_RMS_TOLERANCE = 0.01
+SCALES = {"equal": None, "differing": UP_GATE_RATIO}
+_TOKENS = 64
+
+
+def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+    half = t.shape[1] // 2
+    return torch.cat([t[:, half:], t[:, :half]], dim=1)
+
+
+def emulated_apply(layer, x, topk_weights, topk_ids) -> torch.Tensor:
+    """The prepared ``layer`` computed by the fork's emulated experts, built
+    from the quant method's configs and bound to the layer (its preparation
+    is done: ``process_weights_after_loading`` only binds the views)."""
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_emulated import (  # noqa: E501
+        FlashInferB12xEmulatedExperts,
+    )
+
+    method = layer.quant_method
+    emulated = FlashInferB12xEmulatedExperts(
+        method.moe, method.moe_quant_config, weights_only=True
+    )
+    emulated.process_weights_after_loading(layer)
+    out = torch.empty_like(x)
+    emulated.apply(
+        out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+        method.moe.activation, method.moe.num_experts, None, None, None, None,
+        None, None, False,
+    )  # fmt: skip
+    return out
+
+
+def function_errors(layer, experts, shape, seed: int = 1) -> dict[str, float]:
+    """Emulated prepared layer vs the checkpoint's BF16 reference, and the
+    control (the reference with gate and up exchanged)."""
+    x, weights, ids = moe_inputs(shape, _TOKENS, seed)
+    w13, w2 = checkpoint_dequantized_experts(experts)
+    out = emulated_apply(layer, x, weights, ids)
+    return {
+        "rel_rms": rel_rms(out, reference_moe(w13, w2, x, weights, ids)),
+        "rel_rms_gate_up_swapped": rel_rms(
+            out, reference_moe(_swap_halves(w13), w2, x, weights, ids)
+        ),
+    }
+
+
+@pytest.mark.parametrize("scales", SCALES)
+@pytest.mark.parametrize("checkpoint_format", CHECKPOINT_FORMATS)
+def test_prepared_layer_computes_the_checkpoints_function(
+    one_rank_b12x_vllm,
+    unmodified_small_reports,
+    upstream_measurements,
+    checkpoint_format,
+    scales,
+):
+    layer, experts, _ = prepare_layer(
+        SMALL, checkpoint_format, up_gate_ratio=SCALES[scales]
+    )
+    if scales == "differing":
+        ratio = experts.w13_scale_2[:, 1] / experts.w13_scale_2[:, 0]
+        assert ratio.min() < 0.8 and ratio.max() > 1.25, ratio
+    method = type(layer.quant_method).__name__
+    fork = function_errors(layer, experts, SMALL)
+    decoded = prepared_function_errors(layer, experts, SMALL)
+    unmodified = unmodified_small_reports[scales][checkpoint_format]["function"]
+    where = f"{method}, {SMALL.id}, gate/up global scales {scales}"
+    upstream_measurements(
+        f"function rel RMS vs BF16 reference, {where}: fork (emulated) / "
+        "unmodified 0.33.0 (its prepared bytes)",
+        f"{fork['rel_rms']:.5f} / {unmodified['rel_rms']:.5f}",
+    )
+    assert fork["rel_rms"] <= REL_RMS_TOLERANCE
+    assert fork["rel_rms_gate_up_swapped"] > 10 * REL_RMS_TOLERANCE
+    # The fork's bytes decoded outside the experts encode the same function
+    # (the alphas as the real kernel is given them).
+    assert decoded["rel_rms"] <= REL_RMS_TOLERANCE
+    assert unmodified["rel_rms_gate_up_swapped"] > 10 * REL_RMS_TOLERANCE
+    if scales == "differing":
+        # Upstream folds gate's scale into up's blocks too: up is off by
+        # s_gate / s_up, many times the tolerance.
+        assert unmodified["rel_rms"] > 10 * REL_RMS_TOLERANCE
+    else:
+        # Equal scales: upstream is right up to its fold's FP8 re-rounding.
+        assert unmodified["rel_rms"] <= 2 * REL_RMS_TOLERANCE
+
+
+def test_differing_scales_are_carried_by_w2_alpha(one_rank_b12x_vllm):
+    # ModelOpt: both per-shard scales kept, up/gate in FC2's alpha, exactly.
+    layer, experts, _ = prepare_layer(SMALL, "modelopt", up_gate_ratio=UP_GATE_RATIO)
+    prepared = layer.quant_method.moe_kernel.fused_experts.prepared
+    s_gate, s_up = experts.w13_scale_2[:, 0], experts.w13_scale_2[:, 1]
+    assert torch.equal(layer.w13_weight_scale_2, experts.w13_scale_2)
+    assert torch.equal(prepared.w1_alpha, s_gate)
+    assert torch.equal(prepared.w2_alpha, experts.w2_scale_2 * (s_up / s_gate))
+    # Control: gate's scale for both (unmodified 0.33.0's) is not what it has.
+    assert not torch.equal(prepared.w2_alpha, experts.w2_scale_2)
