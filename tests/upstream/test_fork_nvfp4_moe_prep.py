@@ -63,8 +63,11 @@ def _check_alpha_mode_bytes(layer, experts, checkpoint_format: str) -> None:
     ckpt13 = _swap_halves(experts.w13_scale)  # [w3; w1]
     assert torch.equal(_bytes(layer.w13_weight), _bytes(_swap_halves(experts.w13)))
     assert torch.equal(_bytes(layer.w2_weight), _bytes(experts.w2))
-    for got, ckpt in ((layer.w13_weight_scale, ckpt13),
-                      (layer.w2_weight_scale, experts.w2_scale)):  # fmt: skip
+    pairs = (
+        (layer.w13_weight_scale, ckpt13),
+        (layer.w2_weight_scale, experts.w2_scale),
+    )
+    for got, ckpt in pairs:
         # Upstream's own swizzle (unmodified in the fork; its .cuda() is
         # the CPU stand-in) and the slice's reference agree with the layer.
         assert torch.equal(_bytes(got), _bytes(nvfp4_utils.swizzle_blockscale(ckpt)))
