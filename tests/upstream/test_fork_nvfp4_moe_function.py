@@ -28,74 +28,16 @@ import torch
 
 from upstream_layers import (
     CHECKPOINT_FORMATS,
+    REL_RMS_TOLERANCE,
     SMALL,
     UP_GATE_RATIO,
-    checkpoint_dequantized_experts,
-    moe_inputs,
+    function_errors,
     prepare_layer,
     prepared_function_errors,
-    reference_moe,
-    rel_rms,
 )
 
-#: Relative RMS error allowed against the BF16 reference.
-REL_RMS_TOLERANCE = 0.01
 SCALES = {"equal": None, "differing": UP_GATE_RATIO}
 FOLD_ENV = "VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE"
-_TOKENS = 64
-
-
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
-    half = t.shape[1] // 2
-    return torch.cat([t[:, half:], t[:, :half]], dim=1)
-
-
-def emulated_apply(layer, x, topk_weights, topk_ids) -> torch.Tensor:
-    """The prepared ``layer`` computed by the fork's emulated experts, built
-    from the quant method's configs and bound to the layer (its preparation
-    is done: ``process_weights_after_loading`` only binds the views)."""
-    from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_emulated import (  # noqa: E501
-        FlashInferB12xEmulatedExperts,
-    )
-
-    method = layer.quant_method
-    emulated = FlashInferB12xEmulatedExperts(
-        method.moe, method.moe_quant_config, weights_only=True
-    )
-    emulated.process_weights_after_loading(layer)
-    out = torch.empty_like(x)
-    emulated.apply(
-        out,
-        x,
-        layer.w13_weight,
-        layer.w2_weight,
-        topk_weights,
-        topk_ids,
-        method.moe.activation,
-        method.moe.num_experts,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-    )
-    return out
-
-
-def function_errors(layer, experts, shape, seed: int = 1) -> dict[str, float]:
-    """Emulated prepared layer vs the checkpoint's BF16 reference, and the
-    control (the reference with gate and up exchanged)."""
-    x, weights, ids = moe_inputs(shape, _TOKENS, seed)
-    w13, w2 = checkpoint_dequantized_experts(experts)
-    out = emulated_apply(layer, x, weights, ids)
-    return {
-        "rel_rms": rel_rms(out, reference_moe(w13, w2, x, weights, ids)),
-        "rel_rms_gate_up_swapped": rel_rms(
-            out, reference_moe(_swap_halves(w13), w2, x, weights, ids)
-        ),
-    }
 
 
 @pytest.mark.parametrize("scales", SCALES)

@@ -64,12 +64,16 @@ __all__ = [
     "E4M3_RELATIVE_ROUNDING",
     "MOE_SHAPES",
     "QWEN36_35B_A3B",
+    "REL_RMS_TOLERANCE",
     "SMALL",
     "UP_GATE_RATIO",
     "MoEShape",
     "SyntheticNvfp4Experts",
     "checkpoint_dequantized_experts",
     "checkpoint_global_scales",
+    "checkpoint_params",
+    "emulated_apply",
+    "function_errors",
     "load_synthetic_experts",
     "make_nvfp4_moe_layer",
     "moe_inputs",
@@ -113,6 +117,11 @@ MOE_SHAPES = {s.name: s for s in (SMALL, QWEN36_35B_A3B)}
 #: checkpoints whose gate and up global scales differ (upstream's methods
 #: warn and use gate's for both).
 UP_GATE_RATIO = (0.5, 2.0)
+
+#: Relative RMS error of an NVFP4 layer's function against the BF16
+#: reference on its dequantized weights (the reference rounds the weights to
+#: BF16, 2^-9 relative; both round the intermediate to BF16).
+REL_RMS_TOLERANCE = 0.01
 
 #: The two NVFP4 checkpoint formats whose MoE methods reach FLASHINFER_B12X.
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
@@ -327,7 +336,7 @@ def synthetic_nvfp4_experts(
     return experts
 
 
-def _checkpoint_params(
+def checkpoint_params(
     experts: SyntheticNvfp4Experts, checkpoint_format: str
 ) -> dict[str, torch.Tensor]:
     if checkpoint_format == "modelopt":
@@ -368,7 +377,7 @@ def load_synthetic_experts(
     ``*_weight_global_scale``, ``*_input_global_scale``, inverted). Raises
     ValueError naming the parameter if a shape or dtype differs."""
     params = dict(layer.named_parameters())
-    for name, value in _checkpoint_params(experts, checkpoint_format).items():
+    for name, value in checkpoint_params(experts, checkpoint_format).items():
         if name not in params:
             raise ValueError(f"layer has no parameter {name!r}: {sorted(params)}")
         param = params[name]
@@ -695,6 +704,72 @@ def prepared_function_errors(
         "rel_rms": rel_rms(reference_moe(got13, got2, x, weights, ids), ref),
         "rel_rms_gate_up_swapped": rel_rms(
             reference_moe(_swap_halves(ref13), ref2, x, weights, ids), ref
+        ),
+    }
+
+
+def emulated_apply(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    bind: bool = True,
+) -> torch.Tensor:
+    """The prepared ``layer`` computed by the fork's emulated experts, built
+    from the quant method's configs and bound to the layer (its preparation
+    is done: ``process_weights_after_loading`` only binds the views).
+    ``bind=False``: apply on experts that were never bound (they must
+    refuse). Fork only: unmodified 0.33.0 has no emulated experts."""
+    from vllm.model_executor.layers.fused_moe.experts import (
+        flashinfer_b12x_emulated,
+    )
+
+    method = layer.quant_method
+    emulated = flashinfer_b12x_emulated.FlashInferB12xEmulatedExperts(
+        method.moe, method.moe_quant_config, weights_only=True
+    )
+    if bind:
+        emulated.process_weights_after_loading(layer)
+    out = torch.empty_like(x)
+    emulated.apply(
+        out,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        topk_weights,
+        topk_ids,
+        method.moe.activation,
+        method.moe.num_experts,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
+    return out
+
+
+def function_errors(
+    layer: torch.nn.Module,
+    experts: SyntheticNvfp4Experts,
+    shape: MoEShape,
+    tokens: int = 64,
+    seed: int = 1,
+) -> dict[str, float]:
+    """The fork's emulated experts on the prepared layer
+    (:func:`emulated_apply`) vs the checkpoint's BF16 reference, relative
+    RMS (``rel_rms``), and the control ``rel_rms_gate_up_swapped`` (the
+    reference with gate and up exchanged). Fork only."""
+    x, weights, ids = moe_inputs(shape, tokens, seed)
+    w13, w2 = checkpoint_dequantized_experts(experts)
+    out = emulated_apply(layer, x, weights, ids)
+    return {
+        "rel_rms": rel_rms(out, reference_moe(w13, w2, x, weights, ids)),
+        "rel_rms_gate_up_swapped": rel_rms(
+            out, reference_moe(_swap_halves(w13), w2, x, weights, ids)
         ),
     }
 
