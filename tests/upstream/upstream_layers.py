@@ -67,10 +67,12 @@ __all__ = [
     "REL_RMS_TOLERANCE",
     "SMALL",
     "UP_GATE_RATIO",
+    "W4A16_CONFIGS",
     "MoEShape",
     "SyntheticNvfp4Experts",
     "checkpoint_dequantized_experts",
     "checkpoint_global_scales",
+    "checkpoint_format_of",
     "checkpoint_params",
     "emulated_apply",
     "function_errors",
@@ -138,6 +140,19 @@ _KERNEL_TEST_UTILS = "tests/kernels/utils.py"
 _E2M1_MAX, _E4M3_MAX = 6.0, torch.finfo(torch.float8_e4m3fn).max
 
 
+#: Weight-only (W4A16) NVFP4 checkpoint configurations: ModelOpt's
+#: W4A16_NVFP4, ModelOpt's MIXED_PRECISION naming the experts W4A16_NVFP4
+#: (as NVIDIA's Qwen3.6 NVFP4 release does), compressed-tensors' NVFP4A16.
+W4A16_CONFIGS = ("modelopt-w4a16", "modelopt-mixed-w4a16", "compressed-tensors-w4a16")
+
+
+def checkpoint_format_of(config: str) -> str:
+    """The tensor names' format of a config name (``nvfp4_quant_config``)."""
+    return (
+        "compressed-tensors" if config.startswith("compressed-tensors") else "modelopt"
+    )
+
+
 def nvfp4_quant_config(checkpoint_format: str) -> Any:
     """The quantization config a W4A4 NVFP4 checkpoint of that format
     declares: ModelOpt ``quant_algo: NVFP4`` (serialized, group size 16), or
@@ -151,10 +166,35 @@ def nvfp4_quant_config(checkpoint_format: str) -> Any:
         return ModelOptNvFp4Config(
             quant_method="NVFP4", is_checkpoint_nvfp4_serialized=True, group_size=16
         )
-    if checkpoint_format == "compressed-tensors":
+    if checkpoint_format == "modelopt-w4a16":
+        from vllm.model_executor.layers.quantization.modelopt import (
+            ModelOptNvFp4Config,
+        )
+
+        quantization = {
+            "quant_algo": "W4A16_NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": [],
+        }
+        return ModelOptNvFp4Config.from_config({"quantization": quantization})
+    if checkpoint_format == "modelopt-mixed-w4a16":
+        from vllm.model_executor.layers.quantization.modelopt import (
+            ModelOptMixedPrecisionConfig,
+        )
+
+        experts = {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+        quantization = {
+            "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {"model.layers.0.mlp.experts": experts},
+        }
+        return ModelOptMixedPrecisionConfig.from_config({"quantization": quantization})
+    if checkpoint_format.startswith("compressed-tensors"):
         from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E501
             CompressedTensorsConfig,
         )
+
+        weight_only = checkpoint_format == "compressed-tensors-w4a16"
 
         fp4 = {
             "num_bits": 4,
@@ -173,7 +213,9 @@ def nvfp4_quant_config(checkpoint_format: str) -> Any:
                     "group_0": {
                         "targets": ["Linear"],
                         "weights": fp4,
-                        "input_activations": {**fp4, "dynamic": "local"},
+                        "input_activations": (
+                            None if weight_only else {**fp4, "dynamic": "local"}
+                        ),
                         "format": "nvfp4-pack-quantized",
                     }
                 },
@@ -374,10 +416,16 @@ def load_synthetic_experts(
     """Copy ``experts`` into the parameters ``create_weights`` made, under
     that format's names (ModelOpt: ``w13_weight``, ``*_weight_scale_2``,
     ``*_input_scale``; compressed-tensors: ``w13_weight_packed``,
-    ``*_weight_global_scale``, ``*_input_global_scale``, inverted). Raises
-    ValueError naming the parameter if a shape or dtype differs."""
+    ``*_weight_global_scale``, ``*_input_global_scale``, inverted); for a
+    W4A16 config (:data:`W4A16_CONFIGS`) its format's names without the
+    input scales, which such checkpoints lack. Raises ValueError naming the
+    parameter if a shape or dtype differs."""
     params = dict(layer.named_parameters())
-    for name, value in checkpoint_params(experts, checkpoint_format).items():
+    weight_only = checkpoint_format in W4A16_CONFIGS
+    tensors = checkpoint_params(experts, checkpoint_format_of(checkpoint_format))
+    for name, value in tensors.items():
+        if weight_only and "input" in name:
+            continue  # a W4A16 checkpoint has no activation scales
         if name not in params:
             raise ValueError(f"layer has no parameter {name!r}: {sorted(params)}")
         param = params[name]
