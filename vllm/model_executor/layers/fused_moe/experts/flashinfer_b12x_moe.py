@@ -46,6 +46,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
+    guard_weight_loaders,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
@@ -300,6 +301,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         named ``through`` (all when None); binds the kernel's views once the
         layer is prepared. Holds the layer's lock."""
         state = get_prep_state(layer)
+        # A parameter's own weight_loader (vLLM's writes param.data, which
+        # the version-counter guard cannot see) records writes into a layer
+        # that is no longer in the load layout.
+        guard_weight_loaders(layer)
         # One thread setting for the whole preparation (moe_prep_threads):
         # switching it per step would cost a thread-team restart each time.
         with state.lock, moe_prep_threads(layer.w13_weight.device):
@@ -375,9 +380,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
                         "parameters were replaced or converted",
                     )
                 return
-            changed = (
-                state.changed(layer) if state.status is PrepStatus.PREPARED else {}
-            )
+            if state.status is PrepStatus.PREPARED:
+                changed = state.changed(layer)
+            else:  # an interrupted preparation or restore: loader writes only
+                changed = {n: "written" for n in state.loader_writes}
             if changed:
                 why = f"parameters changed after the preparation: {sorted(changed)}"
                 reset_load_layout(self.weights, layer, state, why)
