@@ -199,23 +199,28 @@ def test_a_copy_of_a_modified_prepared_layer_refuses_like_the_original(how, quan
     assert torch.equal(_copy(clean, how)(x, logits), clean(x, logits))
 
 
-def _vllm_style_loader(layer):
+class _VllmStyleLoader:
     """A parameter ``weight_loader`` as vLLM's ``RoutedExperts`` sets one:
     it writes the shard straight into ``param.data[expert]`` (no restore of
-    the load layout; ``param.data`` moves no version counter)."""
-    i = layer.moe_config.intermediate_size_per_partition
+    the load layout; ``param.data`` moves no version counter). An object,
+    as picklable as vLLM's bound method."""
 
-    def weight_loader(
-        param, loaded_weight, weight_name, shard_id, expert_id, return_success=False
-    ):
+    def __init__(self, layer):
+        self.i = layer.moe_config.intermediate_size_per_partition
+
+    def __call__(
+        self, param, loaded_weight, weight_name, shard_id, expert_id,
+        return_success=False,
+    ):  # fmt: skip
         dst = param.data[expert_id]
         if weight_name.startswith("w13_"):
             g = 0 if shard_id == "w1" else 1
-            dst = dst[g] if dst.dim() == 1 else dst[g * i : (g + 1) * i]
+            dst = dst[g] if dst.dim() == 1 else dst[g * self.i : (g + 1) * self.i]
         dst.copy_(loaded_weight.reshape(dst.shape))
         return True if return_success else None
 
-    return weight_loader
+
+_vllm_style_loader = _VllmStyleLoader
 
 
 def _load_through_param_loaders(layer, tensors):
@@ -282,6 +287,29 @@ def test_restore_then_param_weight_loaders_equal_a_fresh_layer():
     # Control: without the new weights the layer is the old one's.
     fresh_old = _snapshot(_fresh(shape, old))
     assert not torch.equal(_snapshot(layer)["w13_weight"], fresh_old["w13_weight"])
+
+
+def test_a_saved_layers_param_weight_loaders_guard_the_copy():
+    # torch.save keeps a parameter's attributes (deepcopy drops them): the
+    # copy's loaders are its own, so a write through one is refused by the
+    # copy, and the original, untouched, still runs.
+    shape = UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _layer(shape, old)
+    for p in layer.parameters():
+        p.weight_loader = _vllm_style_loader(layer)
+    _prepare(layer)
+    x, logits = _io(shape)
+    want = layer(x, logits)
+    twin = _copy(layer, "torch.save")
+    assert twin.w13_weight.weight_loader.layer is twin
+    i = shape[2]
+    twin.w13_weight.weight_loader(
+        twin.w13_weight, new["w13_weight"][0, :i], "w13_weight", "w1", 0
+    )
+    with pytest.raises(RuntimeError, match="written through its weight_loader"):
+        twin(x, logits)
+    assert torch.equal(layer(x, logits), want)
 
 
 # --- item 3: partial reload with differing w1/w3 global scales ----------------

@@ -366,11 +366,24 @@ def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None
     return local, group
 
 
-def _guarded_loader(layer: torch.nn.Module, name: str, loader: Callable) -> Callable:
-    signature = inspect.signature(loader)
+class _GuardedWeightLoader:
+    """A parameter's ``weight_loader`` that records writes into a layer that
+    is not in the load layout (see :func:`guard_weight_loaders`). An object
+    rather than a closure, so that a copy of the layer (``copy.deepcopy``,
+    pickling) gets a loader of its own copy: its fields are copied with it,
+    as a bound method of the layer would be."""
 
-    @functools.wraps(loader)
-    def weight_loader(*args, **kwargs):
+    _moe_prep_guarded = True
+
+    def __init__(self, layer: torch.nn.Module, name: str, loader: Callable):
+        self.layer, self.name = layer, name
+        # __wrapped__ (the loader), its name and doc: vLLM's layerwise
+        # reload reads the loader's signature, which inspect finds through
+        # __wrapped__.
+        functools.update_wrapper(self, loader)
+
+    def __call__(self, *args, **kwargs):
+        layer, name, loader = self.layer, self.name, self.__wrapped__
         state = get_prep_state(layer)
         with state.lock:  # never beside a preparation, restore or forward
             try:
@@ -383,15 +396,13 @@ def _guarded_loader(layer: torch.nn.Module, name: str, loader: Callable) -> Call
                     state.loader_writes.add(name)
             if state.torn and result is not False:
                 try:
-                    slot = _slot_of(layer, name, signature.bind(*args, **kwargs))
+                    bound = inspect.signature(loader).bind(*args, **kwargs)
+                    slot = _slot_of(layer, name, bound)
                 except TypeError:
                     slot = None
                 if slot is not None:
                     state.clear_slot(name, *slot)
         return result
-
-    weight_loader._moe_prep_guarded = True  # type: ignore[attr-defined]
-    return weight_loader
 
 
 def guard_weight_loaders(layer: torch.nn.Module) -> None:
@@ -409,7 +420,7 @@ def guard_weight_loaders(layer: torch.nn.Module) -> None:
         loader = getattr(param, "weight_loader", None)
         if loader is None or getattr(loader, "_moe_prep_guarded", False):
             continue
-        param.weight_loader = _guarded_loader(layer, name, loader)
+        param.weight_loader = _GuardedWeightLoader(layer, name, loader)
 
 
 def nvfp4_moe_param_specs(moe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
