@@ -3,6 +3,8 @@
 """Helpers shared by the kernel tests: devices, random bit patterns, byte views,
 and the torch reference MoE."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -72,19 +74,6 @@ def _activation(name: str, h: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def _fake_quant_nvfp4(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """NVFP4 quantize-dequantize of ``x`` at the dequantization-direction
-    global ``scale`` (float32 result)."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-        dequantize_nvfp4,
-        quantize_nvfp4,
-    )
-
-    g = 1.0 / scale.float()
-    packed, block_scale = quantize_nvfp4(x, g)
-    return dequantize_nvfp4(packed, block_scale, g)
-
-
 def torch_experts(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -92,8 +81,7 @@ def torch_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
-    a1_scale: torch.Tensor | None = None,
-    a2_scale: torch.Tensor | None = None,
+    quant_inputs: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference MoE experts: BF16 operands, fp32 accumulation, BF16 result.
 
@@ -105,12 +93,10 @@ def torch_experts(
     "gelu_tanh", "relu2"; an ``MoEActivation`` too). ValueError on shapes
     that do not fit together.
 
-    ``a1_scale`` / ``a2_scale`` [E] (DEQUANTIZATION direction, ModelOpt's
-    ``input_scale``): the producer's W4A4 function, each GEMM's input
-    NVFP4-quantized at its static per-expert scale in front of it (block
-    scale ``e4m3(amax / (6 * scale))``, codes ``e2m1(x / (block_scale *
-    scale))``, what ModelOpt and compressed-tensors compute: the tree's
-    ``quantize_nvfp4``), the rest as above."""
+    ``quant_inputs(a, expert, gemm)``: what each GEMM (1 or 2) of
+    ``expert`` multiplies instead of its BF16 input ``a`` (a producer's
+    activation quantization, e.g. NVFP4 at static per-expert scales: its
+    W4A4 function); the rest as above."""
     name = getattr(activation, "value", activation)
     gated = name not in ("relu2", "relu2_no_mul")
     t, h = x.shape
@@ -134,12 +120,12 @@ def torch_experts(
         sel = ids == e
         tok = tokens[sel]
         xe = x[tok]
-        if a1_scale is not None:
-            xe = _fake_quant_nvfp4(xe, a1_scale[e])
+        if quant_inputs is not None:
+            xe = quant_inputs(xe, e, 1)
         mid = _activation(name, xe.float() @ w1[e].float().t())
         mid = mid.to(x.dtype)
-        if a2_scale is not None:
-            mid = _fake_quant_nvfp4(mid, a2_scale[e])
+        if quant_inputs is not None:
+            mid = quant_inputs(mid, e, 2)
         mid = mid.float()
         out.index_add_(0, tok, (mid @ w2[e].float().t()) * weights[sel].unsqueeze(1))
     return out.to(x.dtype)
@@ -153,9 +139,8 @@ def torch_moe(
     topk: int,
     renormalize: bool,
     activation: str = "silu",
-    a1_scale: torch.Tensor | None = None,
-    a2_scale: torch.Tensor | None = None,
+    quant_inputs: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Route with :func:`torch_topk`, then run :func:`torch_experts`."""
     weights, ids = torch_topk(logits, topk, renormalize)
-    return torch_experts(x, w1, w2, weights, ids, activation, a1_scale, a2_scale)
+    return torch_experts(x, w1, w2, weights, ids, activation, quant_inputs)

@@ -102,6 +102,8 @@ def test_differing_scales_are_carried_by_w2_alpha(one_rank_b12x_vllm):
     s_gate, s_up = experts.w13_scale_2[:, 0], experts.w13_scale_2[:, 1]
     assert torch.equal(layer.w13_weight_scale_2, experts.w13_scale_2)
     assert torch.equal(prepared.w1_alpha, s_gate)
-    assert torch.equal(prepared.w2_alpha, experts.w2_scale_2 * (s_up / s_gate))
+    # w2_alpha also carries FC2's input scale (the activation's).
+    fc2 = prepared.fc2_input_scale
+    assert torch.equal(prepared.w2_alpha, experts.w2_scale_2 * (s_up / s_gate) * fc2)
     # Control: gate's scale for both (unmodified 0.33.0's) is not what it has.
-    assert not torch.equal(prepared.w2_alpha, experts.w2_scale_2)
+    assert not torch.equal(prepared.w2_alpha, experts.w2_scale_2 * fc2)

@@ -51,7 +51,17 @@ def _check_b12x_preparation(report: dict, shape, *, fork: bool) -> None:
     # apart by a wide margin (random block scales; global scales <= 1e-2).
     assert report["w13_scale_rel_err_gate_up_swapped"] > 10 * E4M3_RELATIVE_ROUNDING
     assert report["w13_scale_rel_err_no_global_scale"] > 50
-    assert report["fc2_input_scale"] == [1.0] * e
+    if fork:
+        # The checkpoint's calibrated FC2 input scales, per expert, in the
+        # direction the kernel reads (through upstream's 1 / a2_gscale).
+        fc2, ckpt = report["fc2_input_scale"], report["w2_input_scale"]
+        assert len(fc2) == e
+        tol = 2 * FLOAT32_ROUND_TRIP
+        assert all(abs(a - b) <= tol * b for a, b in zip(fc2, ckpt, strict=True))
+        assert ckpt != [1.0] * e  # the control: not what 0.33.0 passes
+        assert report["w2_alpha_carries_fc2_input_scale"]
+    else:
+        assert report["fc2_input_scale"] == [1.0] * e
     # FlashInfer's MMA-layout view: (32, 4, m_tiles, 4, k_tiles, E).
     assert report["w1_sf_mma_shape"] == [32, 4, 2 * i // 128, 4, h // 64, e]
     assert report["w2_sf_mma_shape"] == [32, 4, h // 128, 4, i // 64, e]

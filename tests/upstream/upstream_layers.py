@@ -473,14 +473,16 @@ def checkpoint_global_scales(
 
 
 def prepared_kernel_alphas(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w1_alpha, w2_alpha), each [E] float32: what the b12x kernel multiplies
-    FC1's and FC2's outputs by. The fork's experts bind them
-    (``experts.prepared``); unmodified 0.33.0 passes the quant config's
+    """(w1_alpha, w2_alpha), each [E] float32: the weights' factors in what
+    the b12x kernel multiplies FC1's and FC2's outputs by. The fork's experts
+    bind the kernel's (``experts.prepared``, whose ``w2_alpha`` also carries
+    FC2's input scale, the activation's) from these
+    (``experts.weights.alphas``); unmodified 0.33.0 passes the quant config's
     ``g1_alphas`` / ``g2_alphas`` (all 1 after its fold)."""
     method = layer.quant_method
-    prepared = getattr(method.moe_kernel.fused_experts, "prepared", None)
-    if prepared is not None:
-        return prepared.w1_alpha, prepared.w2_alpha
+    fused = method.moe_kernel.fused_experts
+    if getattr(fused, "prepared", None) is not None:
+        return fused.weights.alphas(layer)
     quant = method.moe_quant_config
     return quant.g1_alphas.reshape(-1), quant.g2_alphas.reshape(-1)
 
@@ -552,7 +554,10 @@ def prepared_b12x_report(
     * ``w1_alpha``, ``w2_alpha``: the kernel's (:func:`prepared_kernel_alphas`);
       ``kernel_alphas_exact``: w1_alpha = s_gate and w2_alpha = s_w2 * s_up /
       s_gate, computed in float32, exactly.
-    * ``fc2_input_scale``, ``w1_sf_mma_shape``, ``w2_sf_mma_shape``,
+    * ``fc2_input_scale`` (the kernel's, dequantization direction),
+      ``w2_input_scale`` (the checkpoint's), ``w2_alpha_carries_fc2_input_scale``
+      (the kernel's w2_alpha is the weights' times it, exactly; None without
+      the fork's experts), ``w1_sf_mma_shape``, ``w2_sf_mma_shape``,
       ``sf_mma_views_alias_layer_scales`` (the experts' MMA-layout views
       share storage with the layer's block scales).
     * ``digests``: sha256 of the bytes of the weights and block scales.
@@ -611,6 +616,10 @@ def prepared_b12x_report(
     w1_mma = getattr(fused, "w1_sf_mma", None)
     w2_mma = getattr(fused, "w2_sf_mma", None)
     fc2 = getattr(fused, "_fc2_input_scale", None)
+    prepared = getattr(fused, "prepared", None)
+    carries = None
+    if prepared is not None and fc2 is not None:
+        carries = torch.equal(prepared.w2_alpha, a2 * fc2)
     return {
         "method": type(method).__name__,
         "backend": method.nvfp4_backend.name,
@@ -633,6 +642,8 @@ def prepared_b12x_report(
         "w2_alpha": a2.detach().float().tolist(),
         "kernel_alphas_exact": alphas_exact,
         "fc2_input_scale": None if fc2 is None else fc2.float().tolist(),
+        "w2_input_scale": experts.w2_input_scale.float().tolist(),
+        "w2_alpha_carries_fc2_input_scale": carries,
         "w1_sf_mma_shape": None if w1_mma is None else list(w1_mma.shape),
         "w2_sf_mma_shape": None if w2_mma is None else list(w2_mma.shape),
         "sf_mma_views_alias_layer_scales": (

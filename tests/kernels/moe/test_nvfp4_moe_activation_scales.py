@@ -4,9 +4,11 @@
 size (E=8, H=2048, I=512) and magnitudes (expert weights std 0.005-0.05,
 inputs std 0.03-2).
 
-The producer's W4A4 function (``torch_moe`` with ``a1_scale`` / ``a2_scale``:
-each GEMM input NVFP4-quantized at its calibrated per-expert scale, as
-ModelOpt and compressed-tensors define it) is the target. The prepared layer
+The producer's W4A4 function (``torch_moe`` with each GEMM input
+NVFP4-quantized at its calibrated per-expert scale, as ModelOpt and
+compressed-tensors define it: block scale ``e4m3(amax / (6 * scale))``,
+codes ``e2m1(x / (block_scale * scale))``, the tree's ``quantize_nvfp4``) is
+the target. The prepared layer
 runs the b12x emulation, whose activation quantization is the kernel's
 (``quantize_nvfp4_b12x_activation``). Errors are relative RMS against the
 BF16-activation function of the same NVFP4 weights. Acceptance: the layer's
@@ -40,6 +42,8 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     FLOAT4_E2M1_MAX,
     FLOAT8_E4M3_MAX,
+    dequantize_nvfp4,
+    quantize_nvfp4,
 )
 
 E, H, I, TOPK, T = 8, 2048, 512, 2, 64  # noqa: E741
@@ -88,6 +92,18 @@ def _calibrated_scales(dw1, dw2, x, logits):
     return a1 / scale, a2 / scale
 
 
+def _producer_w4a4(a1: torch.Tensor, a2: torch.Tensor):
+    """The producer's activation quantization at per-expert input scales
+    ``a1`` / ``a2`` [E] (dequantization direction), for ``torch_moe``."""
+
+    def quant_inputs(a, expert, gemm):
+        g = 1.0 / (a1 if gemm == 1 else a2)[expert]
+        packed, block_scale = quantize_nvfp4(a, g)
+        return dequantize_nvfp4(packed, block_scale, g)
+
+    return quant_inputs
+
+
 def _run(tensors, a1, a2, x, logits, mode="alpha"):
     layer = make_nvfp4_layer(
         E, TOPK, H, I, True, "flashinfer_b12x_emulated", global_scale_mode=mode
@@ -122,7 +138,7 @@ def case(experts):
             x, logits = _inputs(std, T, seed=2)
             ref = torch_moe(x, dw1, dw2, logits, TOPK, True)
             producer = torch_moe(
-                x, dw1, dw2, logits, TOPK, True, a1_scale=a1, a2_scale=a2
+                x, dw1, dw2, logits, TOPK, True, quant_inputs=_producer_w4a4(a1, a2)
             )
             cache[std] = a1, a2, x, logits, ref, producer
         return cache[std]

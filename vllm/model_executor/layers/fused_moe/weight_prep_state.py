@@ -376,14 +376,14 @@ class _GuardedWeightLoader:
     _moe_prep_guarded = True
 
     def __init__(self, layer: torch.nn.Module, name: str, loader: Callable):
-        self.layer, self.name = layer, name
+        self.layer, self.name, self.loader = layer, name, loader
         # __wrapped__ (the loader), its name and doc: vLLM's layerwise
         # reload reads the loader's signature, which inspect finds through
         # __wrapped__.
         functools.update_wrapper(self, loader)
 
     def __call__(self, *args, **kwargs):
-        layer, name, loader = self.layer, self.name, self.__wrapped__
+        layer, name, loader = self.layer, self.name, self.loader
         state = get_prep_state(layer)
         with state.lock:  # never beside a preparation, restore or forward
             try:
