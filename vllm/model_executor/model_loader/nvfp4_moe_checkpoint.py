@@ -59,6 +59,10 @@ from vllm.model_executor.model_loader.checkpoint_files import (
 from vllm.model_executor.model_loader.checkpoint_files import (
     safe_open_inside as _safe_open_inside,
 )
+from vllm.model_executor.model_loader.moe_routing import (
+    MoERouting,
+    moe_routing_from_config,
+)
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
     W4A16,
     ExpertModes,
@@ -274,6 +278,19 @@ class NVFP4MoECheckpoint:
     @property
     def top_k(self) -> int:
         return self._cfg("num_experts_per_tok", "moe_topk")
+
+    @property
+    def routing(self) -> MoERouting:
+        """The router the config declares (``norm_topk_prob`` as
+        ``renormalize``, per architecture: :mod:`~vllm.model_executor.
+        model_loader.moe_routing`); ``FusedMoE(**ckpt.routing.layer_kwargs(),
+        ...)``. ValueError naming config.json and the key where it is not the
+        softmax top-k routing ``FusedMoE`` computes, or is not declared."""
+        model_type = self.text_config.get("model_type", self.config.get("model_type"))
+        config = {"model_type": model_type, **self.text_config}
+        return moe_routing_from_config(
+            config, self.top_k, str(self.model_dir / "config.json")
+        )
 
     @property
     def hidden_size(self) -> int:
