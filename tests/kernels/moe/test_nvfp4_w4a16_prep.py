@@ -109,6 +109,29 @@ def test_bounded_scale_equals_reference_and_round_trips(e, n, k, rotate, cap):
     assert (y.view(torch.uint8)[~kept] == 0).all()
 
 
+@pytest.mark.parametrize("rotate", [64, 128, 192])
+@pytest.mark.parametrize(
+    "e,n,k,cap", [(2, 256, 256, 64 * MiB), (1, 256, 2048, 150_000)], ids=["A", "B"]
+)
+def test_every_rotation_the_contract_accepts_equals_the_reference(e, n, k, cap, rotate):
+    # N = 256 (four strips): every multiple of 64 below N, on both paths
+    # (A: whole experts; B: 150 KB is below one expert's codes and scales).
+    # 64 and 192 are where rotating by +r and -r give different rows.
+    w, s = _rand_weight(e, n, k, seed=rotate), _rand_scale(e, n, k, seed=rotate + 1)
+    x = w4a16_scale_exponent(s)
+    t = w.clone()
+    out = repack_w4a16_weight_(t, rotate=rotate, max_transient_bytes=cap)
+    assert torch.equal(out, w4a16_pack_weight(w, rotate))
+    unrepack_w4a16_weight_(t, rotate=rotate, max_transient_bytes=cap)
+    assert torch.equal(t, w)
+    t = s.clone()
+    out = pack_w4a16_blockscale_(t, x, rotate=rotate, max_transient_bytes=cap)
+    assert torch.equal(bytes_of(out), bytes_of(w4a16_pack_blockscale(s, x, rotate)))
+    unpack_w4a16_blockscale_(t, x, rotate=rotate, max_transient_bytes=cap)
+    kept = s.float() * 2.0**x >= 2.0**-6  # the others are flushed to 0
+    assert torch.equal(bytes_of(t)[kept.view(-1)], bytes_of(s)[kept.view(-1)])
+
+
 def test_cycle_following_path_runs_below_one_expert():
     # The strip + cycle path is the one a cap smaller than an expert takes:
     # its peak stays below the expert's own size, and so does every chunk.
@@ -122,6 +145,74 @@ def test_cycle_following_path_runs_below_one_expert():
     assert progress.total > n // 64  # strips, then the cycle chunks
     assert torch.equal(x.view(torch.int32).view(e, k // 16, -1),
                        w4a16_pack_weight(w, 256))  # fmt: skip
+
+
+def _min_cap(n, k, scale=False):
+    return w4a16_min_transient_bytes(n, k, scale=scale)
+
+
+# (E, N, K, cap): the strip path (B) at caps from the smallest the call
+# accepts (scales) up to 4 MiB, with an expert larger than the budget each
+# time (on CPU the budget is at most the 2 MiB tile). 210,920 B at N = 256,
+# K = 2048 is the cap where a budget split that gave the strips all of it
+# (not half) takes two 97 KiB strips a chunk instead of one and goes over.
+STRIP_CAPS = [
+    (2, 256, 2048, 210_920),
+    (2, 256, 2048, 300_000),
+    (1, 1024, 4096, 1 * MiB),
+    (1, 1024, 4096, 4 * MiB),
+]
+STRIP_SCALE_CAPS = [
+    (1, 512, 2048, _min_cap(512, 2048, scale=True)),
+    (2, 512, 2048, 210_920),
+    (1, 2048, 4096, 1 * MiB),
+    (1, 2048, 4096, 4 * MiB),
+]
+
+
+def _path_a_bytes(n, k):
+    """What path A would allocate for one expert of codes: its planes (1.5x
+    the codes) and 512 B a strip."""
+    return n // 64 * (64 * (k // 16) * 12 + 512)
+
+
+def _cap_id(case):
+    e, n, k, cap = case
+    return f"E{e}_N{n}_K{k}_cap{cap}"
+
+
+@pytest.mark.parametrize("e,n,k,cap", STRIP_CAPS, ids=map(_cap_id, STRIP_CAPS))
+def test_strip_path_weight_peak_is_within_every_cap(e, n, k, cap):
+    w = _rand_weight(e, n, k, seed=cap % 1000)
+    bound = min(cap, 2 * MiB)
+    assert _path_a_bytes(n, k) > bound  # path B: an expert does not fit
+    x = w.clone()
+    with measure_peak_memory("cpu") as mem:
+        out = repack_w4a16_weight_(x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
+    assert torch.equal(out, w4a16_pack_weight(w, 64))
+    with measure_peak_memory("cpu") as mem:
+        unrepack_w4a16_weight_(x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
+    assert torch.equal(x, w)
+
+
+@pytest.mark.parametrize(
+    "e,n,k,cap", STRIP_SCALE_CAPS, ids=map(_cap_id, STRIP_SCALE_CAPS)
+)
+def test_strip_path_scale_peak_is_within_every_cap(e, n, k, cap):
+    s = _rand_scale(e, n, k, seed=cap % 1000, top=0x7E)
+    x = w4a16_scale_exponent(s)
+    bound = min(cap, 2 * MiB)
+    assert n * (5 * k // 16 + 16) > bound  # path B: an expert does not fit
+    y = s.clone()
+    with measure_peak_memory("cpu") as mem:
+        out = pack_w4a16_blockscale_(y, x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
+    assert torch.equal(bytes_of(out), bytes_of(w4a16_pack_blockscale(s, x, 64)))
+    with measure_peak_memory("cpu") as mem:
+        unpack_w4a16_blockscale_(y, x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
 
 
 def test_bounded_errors_name_the_tensor_and_leave_it_intact():
