@@ -33,6 +33,9 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
 )
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
+    FlashInferB12xExperts,
+)
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
@@ -177,6 +180,30 @@ def test_faithful_copies_of_a_prepared_layer_work(how, quant_mode):
     want = _snapshot(_fresh(shape, new, quant_mode=quant_mode))
     _assert_same(_snapshot(_prepare(twin)), want)
     _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old, quant_mode=quant_mode)))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "state_dict"])
+def test_w4a16_kernel_experts_copy_save_and_take_state_dicts(how):
+    # The kernel's experts class (FlashInferB12xExperts; the oracle picks it
+    # only where CUDA is, so it is swapped in for the emulation it is the
+    # base of) prepares on CPU: only its apply needs the kernel. Its copies,
+    # saves and state dicts make the W4A16 views from their own parameters.
+    shape = UNPADDED
+    layer = _fresh(shape, _tensors(*shape, seed=1), quant_mode="w4a16")
+    layer.quant_method.experts.__class__ = FlashInferB12xExperts
+    if how == "state_dict":
+        twin = _fresh(shape, _tensors(*shape, seed=2), quant_mode="w4a16")
+        twin.quant_method.experts.__class__ = FlashInferB12xExperts
+        twin.load_state_dict(layer.state_dict())
+    else:
+        twin = _copy(layer, how)
+    experts = twin.quant_method.experts
+    assert type(experts) is FlashInferB12xExperts
+    experts._check_prepared()  # what apply does first
+    _assert_same(_snapshot(twin), _snapshot(layer))
+    assert experts.prepared.w13.data_ptr() == twin.w13_weight.data_ptr()
+    assert experts.prepared.w2_scale.data_ptr() == twin.w2_weight_scale.data_ptr()
+    assert experts.prepared.w13.data_ptr() != layer.w13_weight.data_ptr()
 
 
 @pytest.mark.parametrize("quant_mode", QUANT_MODES)
