@@ -22,7 +22,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import bytes_of, torch_moe
+from tests.kernels.utils import bytes_of, torch_moe, torch_topk
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -38,6 +38,8 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
+    w4a16_alpha,
+    w4a16_dequantize,
     w4a16_global_scale,
     w4a16_pack_blockscale,
     w4a16_pack_weight,
@@ -410,8 +412,11 @@ def test_layer_runs_within_bf16_tolerance_of_the_dequantized_moe(shape):
     assert torch.equal(_prepare(other)(x, logits), out)
 
 
-def test_differing_gate_and_up_scales_go_to_fc2_alpha():
-    e, h, i = 4, 256, 128
+@pytest.mark.parametrize("i", [128, 96], ids=["I128_rotated", "I96_half_swap"])
+def test_differing_gate_and_up_scales_go_to_fc2_alpha(i):
+    # The layer places w13 as [w3; w1]: I = 128 is undone by the rotation,
+    # I = 96 by the half swap, whose [E, 2] global scales must swap too.
+    e, h = 4, 256
     w1, w2 = bf16_experts(e, i, h, gated=True, seed=4)
     t = quantize_experts_modelopt(w1.float() * 0.02 * h**0.5,
                                   w2.float() * 0.02 * i**0.5, True,
@@ -435,6 +440,83 @@ def test_differing_gate_and_up_scales_go_to_fc2_alpha():
     x2 = w4a16_scale_exponent(t["w2_weight_scale"])
     pw.w2_global_scale.copy_(w4a16_global_scale(t["w2_weight_scale_2"], x2))
     assert rel_rms_error(layer(x, logits), ref) > 0.05
+
+
+def _shift_exponent(t, name, x):
+    """``t`` with ``name``'s block scales divided by 2^x and its global
+    scale multiplied by 2^x: the same weights, FlashInfer's exponent x
+    larger (exact: every scale stays a normal E4M3 number)."""
+    out = dict(t)
+    s = t[f"{name}_weight_scale"].float()
+    assert s[s > 0].min() / 2**x >= 2**-6
+    out[f"{name}_weight_scale"] = (s / 2**x).to(torch.float8_e4m3fn)
+    out[f"{name}_weight_scale_2"] = t[f"{name}_weight_scale_2"] * 2**x
+    return out
+
+
+@pytest.mark.parametrize("shifted", ["w13", "w2"])
+def test_w13_and_w2_with_different_scale_exponents(shifted):
+    # Each weight has its own power-of-two factor 2^x (the checkpoints of
+    # the other tests share x = 0). Packing w2's scales with w13's x = 4
+    # overflows FP16 (448 * 2^4 * 2^7 > 65504); its alpha with w13's x is
+    # off by 2^4.
+    e, h, i = 4, 256, 128
+    t = _shift_exponent(_tensors(e, h, i, True, seed=8), shifted, 4)
+    x13 = w4a16_scale_exponent(t["w13_weight_scale"])
+    x2 = w4a16_scale_exponent(t["w2_weight_scale"])
+    assert (x13, x2) == ((4, 0) if shifted == "w13" else (0, 4))
+    layer = _w4a16_layer(e, h, i, True)
+    _load_through_loader(layer, t)
+    _prepare(layer)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(12, h, generator=gen).bfloat16()
+    logits = torch.randn(12, e, generator=gen)
+    out = layer(x, logits)
+    assert torch.isfinite(out.float()).all()
+    dw1, dw2 = dequantized_experts(t, True)
+    assert rel_rms_error(out, torch_moe(x, dw1, dw2, logits, 2, True)) < 0.01
+    pw = layer.quant_method.experts.prepared
+    want = w4a16_global_scale(t["w2_weight_scale_2"], x2)
+    assert torch.equal(pw.w2_global_scale, want)
+
+
+def test_emulation_rounds_fc1_and_the_activation_to_bf16():
+    # The kernel keeps FC1's output and the activation in BF16; the
+    # emulation must too. The reference here, from the packed weights, does
+    # both roundings; the control without FC1's rounding differs in most of
+    # the 12 x 256 outputs, the emulation in almost none (op order only).
+    e, h, i = 4, 256, 128
+    t = _tensors(e, h, i, True, seed=10)
+    layer = _w4a16_layer(e, h, i, True)
+    _load_through_loader(layer, t)
+    _prepare(layer)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(12, h, generator=gen).bfloat16()
+    logits = torch.randn(12, e, generator=gen)
+    out = layer(x, logits)
+    pw = layer.quant_method.experts.prepared
+    weights, ids = torch_topk(logits, 2, renormalize=True)
+
+    def reference(round_fc1: bool) -> torch.Tensor:
+        a1, a2 = w4a16_alpha(pw.w13_global_scale), w4a16_alpha(pw.w2_global_scale)
+        w13 = w4a16_dequantize(pw.w13, pw.w13_scale)  # [E, 2I, H], [gate; up]
+        w2 = w4a16_dequantize(pw.w2, pw.w2_scale)  # [E, H, I]
+        y = torch.zeros(12, h)
+        for tok in range(12):
+            for j in range(2):
+                ex = int(ids[tok, j])
+                fc1 = (x[tok].float() @ w13[ex].t()) * a1[ex]
+                if round_fc1:
+                    fc1 = fc1.bfloat16().float()
+                gate, up = fc1[:i], fc1[i:]
+                act = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+                y[tok] += (act @ w2[ex].t()) * (weights[tok, j] * a2[ex])
+        return y.bfloat16()
+
+    differ = (out != reference(True)).float().mean().item()
+    control = (out != reference(False)).float().mean().item()
+    assert differ < 0.05, differ
+    assert control > 0.3, control
 
 
 def test_prepared_twice_is_a_no_op_and_forward_refuses_before():
