@@ -718,6 +718,77 @@ def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
     assert emap.dtype == torch.int32 and emap.tolist() == [-1] * 4 + [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_launch_arguments_under_expert_parallelism_without_flashinfer(ep_rank):
+    # The keyword arguments of launch_sm120_moe, built on CPU (FlashInfer not
+    # needed: ``prepared`` stands in for its packed-weights object). Rank r
+    # of 2 holds global experts 4r..4r+3 at local ids 0..3.
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
+        w4a16_launch_kwargs,
+    )
+
+    e, h, i = 4, 256, 128
+    layer = _w4a16_layer(2 * e, h, i, True, ep_rank=ep_rank, ep_size=2)
+    _load_through_loader(layer, _tensors(2 * e, h, i, True, seed=16))
+    _prepare(layer)
+    experts = layer.quant_method.experts
+    pw, prepared = experts.prepared, object()
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int64)
+    weights = torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    kw = w4a16_launch_kwargs(
+        experts.moe_config,
+        pw,
+        prepared,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        weights,
+        ids,
+        layer.expert_map.long(),  # whatever map dtype: the kernel's is int32
+        out,
+    )
+    assert kw["num_experts"] == 2 * e and kw["num_local_experts"] == e
+    assert kw["top_k"] == 2 and kw["quant_mode"] == "w4a16"
+    emap = kw["expert_map"]
+    assert emap.dtype == torch.int32
+    want = [-1] * 8
+    want[4 * ep_rank : 4 * ep_rank + 4] = [0, 1, 2, 3]
+    assert emap.tolist() == want
+    assert kw["topk_ids"].dtype == torch.int32 and kw["topk_ids"].tolist() == [
+        [0, 5],
+        [7, 4],
+        [1, 2],
+    ]
+    assert kw["topk_weights"].dtype == torch.float32
+    assert kw["_prepared_weights"] is prepared and kw["scatter_output"] is out
+    assert kw["a"] is x and kw["w1_weight"] is layer.w13_weight
+    assert kw["w1_weight_sf"] is pw.w13_scale and kw["w2_weight_sf"] is pw.w2_scale
+    assert kw["w1_alpha"] is pw.w13_global_scale
+    assert kw["w2_alpha"] is pw.w2_global_scale
+    assert pw.num_experts == e and pw.w13.shape[0] == e
+    # Without expert parallelism: no map, every expert local.
+    single = _w4a16_layer(e, h, i, True)
+    _load_through_loader(single, _tensors(e, h, i, True, seed=17))
+    _prepare(single)
+    ex1 = single.quant_method.experts
+    kw = w4a16_launch_kwargs(
+        ex1.moe_config,
+        ex1.prepared,
+        prepared,
+        x,
+        single.w13_weight,
+        single.w2_weight,
+        weights,
+        ids % e,
+        single.expert_map,
+        out,
+    )
+    assert kw["expert_map"] is None
+    assert kw["num_experts"] == kw["num_local_experts"] == e
+
+
 def test_w4a16_layer_takes_the_alpha_mode_only():
     # W4A4's experts options: "alpha" (what W4A16 does) is accepted, "fold"
     # refused with the reason; a geometry the layout cannot hold is named.
