@@ -66,6 +66,35 @@ def _mixed(old, new, experts, keys=None):
 # --- item 2: the guard against the loaders' idioms ---------------------------
 
 
+@pytest.mark.parametrize("name", ["w13_weight_scale", "w2_weight"])
+def test_a_view_with_other_strides_is_seen_as_replaced(name):
+    # param.data = a view of the same storage at the same offset, same shape
+    # and dtype, sharing the version counter: only the strides tell it
+    # (here every expert reads expert 0's bytes, as .t() of a square tensor
+    # would read them transposed).
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    param = getattr(layer, name)
+    strides = (0, *param.data.stride()[1:])
+    param.data = param.data.as_strided(param.shape, strides, param.storage_offset())
+    with pytest.raises(RuntimeError, match=rf"{name} replaced"):
+        layer(*_io(shape))
+
+
+def test_the_checksum_sees_a_permutation_of_the_bytes(monkeypatch):
+    # The same bytes in another order (experts rolled by one: the same sum)
+    # through param.data (no version bump): the opt-in checksum sees it.
+    monkeypatch.setenv("VLLM_MOE_PREP_VERIFY", "1")
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    data = layer.w2_weight.data
+    rolled = data.roll(1, dims=0)
+    assert not torch.equal(rolled, data)
+    data.copy_(rolled)
+    with pytest.raises(RuntimeError, match=r"w2_weight modified in place.*bytes"):
+        layer(*_io(shape))
+
+
 def test_data_copy_into_a_prepared_layer_is_refused_in_verify_mode(monkeypatch):
     # param.data.copy_ does not move the version counter: only the checksum
     # (VLLM_MOE_PREP_VERIFY=1) sees it.
