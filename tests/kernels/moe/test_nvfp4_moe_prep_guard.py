@@ -562,6 +562,57 @@ def test_failed_reload_is_all_or_nothing():
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
 
 
+def _load_only(layer, tensors, names, shards=("w1", "w3")):
+    """Load only the parameters ``names`` of every expert through the layer's
+    weight_loader (of w13, only the ``shards``)."""
+    i = layer.moe_config.intermediate_size_per_partition
+    e = layer.global_num_experts
+    params = dict(layer.named_parameters())
+    for ex in range(e):
+        for name in names:
+            t = tensors[name]
+            if not name.startswith("w13_"):
+                layer.weight_loader(params[name], t[ex], name, "w2", ex)
+                continue
+            for g, shard in enumerate(("w1", "w3")):
+                if shard not in shards:
+                    continue
+                if name.endswith(("_weight", "_weight_scale")):
+                    value = t[ex, g * i : (g + 1) * i]
+                else:
+                    value = t.reshape(e, -1)[ex, g]
+                layer.weight_loader(params[name], value, name, shard, ex)
+
+
+def test_a_torn_layer_needs_every_slot_of_every_required_parameter_back():
+    # Torn by a failed reload: every (expert, shard) of weight, weight_scale
+    # and weight_scale_2 must be written again. One parameter written whole
+    # clears its own slots only; without the global scales it is not whole.
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    bad = {k: v.clone() for k, v in new.items()}
+    bad["w2_weight_scale_2"][2] = float("nan")
+    layer = _fresh(shape, old)
+    with pytest.raises(ValueError, match="is nan"):
+        _load_through_loader(layer, bad)
+    _load_only(layer, new, ["w2_weight"])
+    with pytest.raises(RuntimeError, match=r"torn.*w13_weight of local experts"):
+        _prepare(layer)
+    # One shard's rows clear that shard's slots, not the other's.
+    _load_only(layer, new, ["w13_weight"], shards=("w1",))
+    with pytest.raises(RuntimeError, match="torn") as err:
+        _prepare(layer)
+    assert "w13_weight of local experts [0, 1, 2]" in str(err.value)
+    assert "w2_weight of" not in str(err.value)
+    _load_only(layer, new, ["w13_weight", "w13_weight_scale", "w2_weight_scale"])
+    with pytest.raises(RuntimeError, match=r"torn") as err:
+        _prepare(layer)
+    for name in ("w13_weight_scale_2", "w2_weight_scale_2"):
+        assert f"{name} of local experts [0, 1, 2]" in str(err.value)
+    _load_only(layer, new, ["w13_weight_scale_2", "w2_weight_scale_2"])
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
 def test_failure_before_any_write_keeps_the_prepared_layer():
     shape = SHAPES[0]
     old = _tensors(*shape, seed=1)
