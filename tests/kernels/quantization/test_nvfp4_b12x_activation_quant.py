@@ -175,6 +175,21 @@ def test_subnormal_and_flushed_block_scales():
     check_against_oracle(x, d)
 
 
+def test_reciprocals_flush_subnormals():
+    # rcp.approx.ftz: a scale whose reciprocal is subnormal (d > 2^126) reads
+    # as 0 on the fast path, so every block scale and code is 0; the precise
+    # path divides instead and keeps the normal block scales it can.
+    x = torch.full((1, 16), 2.0**100).bfloat16()
+    d = 2.0**127
+    packed, scale = quantize_nvfp4_b12x_activation(x, d)
+    assert (scale.view(torch.uint8) == 0).all() and (packed == 0).all()
+    check_against_oracle(x, d)
+    packed, scale = quantize_nvfp4_b12x_activation(x, d, fast_math=False)
+    check_against_oracle(x, d, fast=False)
+    # And the reciprocal flag's own reciprocal: 1 / d of a tiny d.
+    check_against_oracle(x, 2.0**-127 * 3, reciprocal=True)
+
+
 def test_mma_operand_times_scale_recovers_the_activation():
     # The direction: codes * block_scale is about x / d, so the kernel's
     # output multiplier d restores x (NVFP4's error, not a wrong magnitude).
