@@ -277,8 +277,59 @@ def _stuck_on_rank_1(rank):
 
 @pytest.mark.slow  # two spawned ranks
 def test_a_deadline_blames_the_rank_that_did_not_finish():
-    with pytest.raises(WorkerError, match="rank 1: no result after 4 s"):
+    # The deadline counts from each rank's joining the group: spawning the
+    # ranks and importing torch (3.1 s at load 3.5 on 2 cores, when it was
+    # counted) are not part of it, so 4 s holds on a loaded machine too.
+    with pytest.raises(
+        WorkerError, match="rank 1: no result 4 s after joining the group"
+    ):
         spawn_workers(_stuck_on_rank_1, 2, timeout_s=120, deadline_s=4)
+
+
+class _Started:
+    """What ``_collect`` asks of a worker process."""
+
+    exitcode = None
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_the_deadline_counts_from_the_ranks_ready_message():
+    # No processes: two pipes stand for two ranks. Both say "ready" only
+    # after 3 deadlines have passed (a slow start: spawning, importing
+    # torch), rank 0 then answers at once and rank 1 never: rank 1 alone is
+    # blamed, and only a deadline after its "ready". Each wait here is a
+    # lower bound, so a loaded machine cannot make it fail.
+    import multiprocessing
+    import pickle
+    import threading
+    import time
+
+    from vllm.distributed.launcher import _collect
+
+    deadline_s = 0.3
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+    sent: dict[str, float] = {}
+
+    def ranks():
+        time.sleep(3 * deadline_s)
+        sent["ready"] = time.monotonic()  # before: the parent reads it after
+        for _, send in pipes:
+            send.send_bytes(pickle.dumps(("ready", None)))
+        pipes[0][1].send_bytes(pickle.dumps(("ok", "done")))
+
+    thread = threading.Thread(target=ranks, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    with pytest.raises(WorkerError, match="rank 1: no result 0.3 s after joining"):
+        _collect([_Started(), _Started()], [recv for recv, _ in pipes], deadline_s)
+    thread.join()
+    assert time.monotonic() - sent["ready"] >= deadline_s
+    assert sent["ready"] - start >= 3 * deadline_s  # longer than the deadline
+    for recv, send in pipes:
+        recv.close()
+        send.close()
 
 
 # --- without processes: ownership on every rank, the reader with EP ---------
