@@ -237,6 +237,20 @@ def test_help_is_plain_text_and_every_option_has_help(capsys):
         assert action.help, f"{action.option_strings} has no help text"
 
 
+def test_global_scale_mode_help_says_no_block_scale_is_rewritten(capsys):
+    # Since the exact alphas, differing gate/up global scales are no longer
+    # folded into one half (the help said "about 3%"): the ratio rides on
+    # the FC2 alpha, as the README and the design page say.
+    with pytest.raises(SystemExit):
+        main(["bench", "moe-weight-prep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.index("how per-expert global scales reach the kernel")
+    help_text = text[start : text.index("--precision", start)]
+    assert "rewrites no block scale" in help_text, help_text
+    assert "the ratio rides on the FC2 alpha" in help_text, help_text
+    assert "folded into one half" not in help_text and "3%" not in help_text
+
+
 def test_version(capsys):
     import vllm
 

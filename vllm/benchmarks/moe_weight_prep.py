@@ -133,12 +133,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="alpha",
         choices=["alpha", "fold"],
         help="how per-expert global scales reach the kernel: 'alpha' (default) "
-        "keeps them as the kernel's alphas and the prepared weights decode to "
-        "the checkpoint's exactly when gate and up share their global scale (as "
-        "ModelOpt exports them; where they differ the ratio is folded into one "
-        "half, about 3%% relative RMS); 'fold' multiplies them into the FP8 "
-        "block scales (upstream's contract; 5-70%% at real weight magnitudes). "
-        "The report prints each mode's measured error",
+        "keeps them as the kernel's alphas and rewrites no block scale: the "
+        "prepared weights are the checkpoint's exactly, and where gate and up "
+        "have different global scales the ratio rides on the FC2 alpha; 'fold' "
+        "multiplies them into the FP8 block scales (upstream's contract; "
+        "5-70%% at real weight magnitudes). The report prints each mode's "
+        "measured error",
     )
     parser.add_argument(
         "--precision",
