@@ -13,6 +13,7 @@ from vllm.entrypoints.cli.main import main, make_parser
 from vllm.utils.argparse_utils import available_cores
 
 PROG = "vllm bench moe-weight-prep"
+VARIANTS = ("legacy", "bounded")
 
 
 def _job_parser():
@@ -245,11 +246,38 @@ def test_precision_report_says_what_it_decoded(tmp_path, capsys, how):
 
 def test_job_time_says_where_the_time_went(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc, captured = _run(tmp_path, capsys, "--json", str(out))
+    ckpt = _example(tmp_path / "ckpt", layers=2)
+    rc, captured = _run(tmp_path, capsys, "--json", str(out), ckpt=ckpt)
     job = json.loads(out.read_text())
-    phases = job["ranks"][0]["phase_times_s"]
-    assert set(phases) == {"timed", "metered", "check", "precision", "weights"}
+    result = job["ranks"][0]
+    phases = result["phase_times_s"]
+    assert set(phases) == {
+        "timed",
+        "copy_in",
+        "metered",
+        "check",
+        "precision",
+        "weights",
+    }
     assert sum(phases.values()) <= job["wall_time_s"]
+    # "preparing" is the step table's time: its totals, legacy plus bounded
+    # (before, it also held copying each layer in: 135.5 s said against a
+    # table of 91.4 s).
+    totals = [result["summary"][v]["total"]["total_time_s"] for v in VARIANTS]
+    assert phases["timed"] == pytest.approx(sum(totals), rel=1e-12)
+    assert phases["copy_in"] > 0
     line = next(x for x in captured.out.splitlines() if x.startswith("job: "))
     wall = job["wall_time_s"]
-    assert line.startswith(f"job: {wall:.1f} s wall: preparing (the timed runs")
+    assert line.startswith(
+        f"job: {wall:.1f} s wall: preparing (the step table's time, legacy and "
+        f"bounded) {phases['timed']:.1f} s"
+    ), line
+    copied = (
+        "copying each layer in (a clone for legacy, a new layer for bounded; "
+        f"not in the table) {phases['copy_in']:.1f} s"
+    )
+    assert copied in line, line
+    # The printed totals add up to the printed "preparing" figure.
+    row = next(x for x in captured.out.splitlines() if x.startswith("total "))
+    legacy_s, bounded_s = (float(v) for v in row.split()[-4::2])
+    assert abs(legacy_s + bounded_s - phases["timed"]) < 0.002, (row, line)
