@@ -38,7 +38,6 @@ reference swizzle (alpha scales).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -69,7 +68,12 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzled_blockscale_shape,
 )
-from vllm.utils.argparse_utils import core_count, non_negative_int, positive_int
+from vllm.utils.argparse_utils import (
+    CommandLineParser,
+    core_count,
+    non_negative_int,
+    positive_int,
+)
 
 MIB = 1 << 20
 STEPS = ["validate", "fold", "reorder", "swizzle", "total"]
@@ -362,7 +366,7 @@ def format_condition(label: str, result: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3.6-35b-a3b",
                         choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
     parser.add_argument("--repeats", type=positive_int, default=5)

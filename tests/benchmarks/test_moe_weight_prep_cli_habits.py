@@ -13,6 +13,7 @@ from vllm.entrypoints.cli.main import main, make_parser
 from vllm.utils.argparse_utils import available_cores
 
 PROG = "vllm bench moe-weight-prep"
+HINT = f"Try '{PROG} --help' for more information."
 VARIANTS = ("legacy", "bounded")
 
 
@@ -108,18 +109,44 @@ ARGUMENT_ERRORS = {
                            "--checkpoint /nonexistent-ckpt: no such directory"),
     "tp 3": (["--tp", "3"], "--tp 3 does not divide"),
     "cap too small": (["--max-transient", "1"], "below 64KiB"),
+    # -ep alone ran without expert parallelism, without a word (rc 0).
+    "ep without tp": (["-ep"], "--enable-expert-parallel (-ep) needs --tp N "
+                      "with N > 1"),
+    "ep with tp 1": (["--tp", "1", "--enable-expert-parallel"], "needs --tp N"),
+    # No abbreviations: a typo is not another option.
+    "num-layer typo": (["--num-layer", "1"],
+                       "unrecognized arguments: --num-layer 1"),
+    "prefix of --memory-limit": (["--mem", "5MiB"], "unrecognized arguments: --mem"),
+    # A negative size reaches the size's own message, in both spellings
+    # (before: "expected one argument" for the first).
+    "memory limit -5MiB": (["--memory-limit", "-5MiB"],
+                           "argument --memory-limit: size must be at least one "
+                           "byte, got '-5MiB'"),
+    "memory limit=-5MiB": (["--memory-limit=-5MiB"],
+                           "size must be at least one byte, got '-5MiB'"),
+    "max transient -.5G": (["--max-transient", "-.5G"], "at least one byte"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(ARGUMENT_ERRORS))
-def test_argument_errors_come_before_the_run_with_usage(case, capsys, no_run):
+def test_argument_errors_come_before_the_run_with_a_help_hint(case, capsys, no_run):
     argv, message = ARGUMENT_ERRORS[case]
     source = [] if "--checkpoint" in argv else ["--model", "qwen3.6-35b-a3b"]
     err = _error(capsys, [*source, *argv])
-    assert err[-1].startswith(f"{PROG}: error: ") and message in err[-1], err
-    # Usage printed consistently: with every argument error, as argparse's
-    # own (an invalid choice, a bad integer) print it.
-    assert err[0].startswith(f"usage: {PROG} "), err
+    # The error, then a one-line hint, for every argument error alike,
+    # argparse's own (an invalid choice, a bad integer) and the job's: not
+    # the 16-line usage before the one useful line.
+    assert len(err) == 2, err
+    assert err[0].startswith(f"{PROG}: error: ") and message in err[0], err
+    assert err[1] == HINT, err
+
+
+def test_negative_values_that_are_numbers_still_parse():
+    # Control for the negative sizes above: a value starting with "-" and a
+    # digit is a value (a negative seed as before), options are unchanged.
+    args = _job_parser().parse_args(["--model", "mixtral-8x7b", "--seed", "-3",
+                                     "-tp", "2", "-ep"])  # fmt: skip
+    assert args.seed == -3 and args.tp == 2 and args.enable_expert_parallel
 
 
 def _example(path, activation="silu", layers=1, experts=8):

@@ -123,8 +123,9 @@ def test_files_get_the_umask_modes(tmp_path, umask):
 
 def _last_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"{PROG}: error:"), err
-    return err[-1]
+    assert len(err) == 2 and err[0].startswith(f"{PROG}: error:"), err
+    assert err[1] == f"Try '{PROG} --help' for more information.", err
+    return err[0]
 
 
 def test_cli_refuses_a_non_empty_directory_unless_overwrite(tmp_path, capsys):
@@ -141,6 +142,15 @@ def test_cli_refuses_a_non_empty_directory_unless_overwrite(tmp_path, capsys):
     assert NVFP4MoECheckpoint(out).format == MODELOPT
     main([*args, "--format", "compressed-tensors", "--overwrite"])
     assert NVFP4MoECheckpoint(out).format == COMPRESSED_TENSORS
+
+
+def test_cli_takes_no_abbreviations(tmp_path, capsys):
+    # "--num-layer 1" was taken for --num-layers (argparse's abbreviations).
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "ckpt"), "--num-layer", "1"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --num-layer 1" in _last_error_line(capsys)
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_cli_sizes_beyond_the_memory_are_refused_before_allocating(tmp_path, capsys):
@@ -169,7 +179,8 @@ def test_cli_under_an_address_space_limit_is_a_one_line_error(tmp_path):
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"{PROG}: error: --num-layers 4, --num-experts 2000")
+    assert len(lines) == 2, lines  # the error and the --help hint
+    assert lines[0].startswith(f"{PROG}: error: --num-layers 4, --num-experts 2000")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "ckpt").exists()
 

@@ -171,8 +171,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--enable-expert-parallel",
         "-ep",
         action="store_true",
-        help="with --tp N: shard the experts over the N ranks instead of I "
-        "(N divides the number of experts)",
+        help="with --tp N (N > 1; refused without): shard the experts over "
+        "the N ranks instead of I (N divides the number of experts)",
     )
     parser.add_argument(
         "--num-layers",
@@ -283,6 +283,13 @@ def main(args: argparse.Namespace) -> int:
             f"{MIN_CLI_MAX_TRANSIENT >> 10}KiB: every step would move a few bytes "
             "per torch call and one layer could take hours; use at least 64KiB "
             "(default 64MiB)"
+        )
+    if args.enable_expert_parallel and args.tp == 1:
+        # Accepted silently before: one rank owns every expert, so the run
+        # had no expert parallelism at all.
+        raise ValueError(
+            "--enable-expert-parallel (-ep) needs --tp N with N > 1: it shards "
+            "the experts over the N ranks (vLLM's spelling: -tp 2 -ep)"
         )
     plot_path = args.plot and check_output_path(args.plot, "--plot", plot=True)
     device = _device(args.device)

@@ -19,7 +19,6 @@ half-written checkpoint; a non-empty ``OUT_DIR`` is refused unless
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -46,7 +45,7 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
     MODELOPT,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import W4A4, W4A16
-from vllm.utils.argparse_utils import positive_int
+from vllm.utils.argparse_utils import CommandLineParser, positive_int
 from vllm.utils.mem_utils import available_memory_bytes
 
 __all__ = [
@@ -409,7 +408,7 @@ def _example_config(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer",
         description="Write a small NVFP4 MoE checkpoint with random weights "
         "(ModelOpt or compressed-tensors layout) for trying the loader and "
