@@ -161,6 +161,28 @@ def _example(path, activation="silu", layers=1, experts=8):
     return path
 
 
+def test_a_damaged_second_shard_is_refused_before_the_first_layer(
+    tmp_path, capsys, no_run
+):
+    # Before: a corrupt header in the second shard failed the run (rc 1)
+    # only after two layers had been prepared.
+    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
+        random_bf16_experts,
+        write_nvfp4_moe_checkpoint,
+    )
+
+    layers = {i: random_bf16_experts(8, 256, 256, True, seed=i) for i in range(3)}
+    config = {"hidden_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 256}  # fmt: skip
+    ckpt = write_nvfp4_moe_checkpoint(tmp_path / "ckpt", layers, config,
+                                      max_shard_bytes=1 << 20)  # fmt: skip
+    second = sorted(ckpt.glob("*.safetensors"))[1]
+    data = second.read_bytes()
+    second.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
+    err = _error(capsys, ["--checkpoint", str(ckpt)])
+    assert err[0].startswith(f"{PROG}: error: {second}: not a readable"), err
+
+
 def _run(tmp_path, capsys, *argv, ckpt=None):
     ckpt = ckpt or _example(tmp_path / "ckpt")
     rc = main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
