@@ -9,14 +9,16 @@ them (``FlashInferB12xExperts(moe_config, quant_config)``,
 layer holding the checkpoint's tensors. Every case runs on both backends:
 ``flashinfer_b12x`` is skipped, with the reason, where the kernel cannot run;
 the emulation, which shares every line of the weight preparation, runs
-everywhere. The names imported here are vLLM 0.33.0's and this branch's, so
-the file also runs in vLLM 0.33.0 with the branch built in (``tests/upstream``).
+everywhere. The names imported here are vLLM 0.33.0's and this branch's, and
+the helpers' modules (flashinfer_b12x_utils.py, moe_reference.py) are new
+files in upstream's test tree, so the file also runs there, in vLLM 0.33.0
+with the branch built in (tests/upstream/test_upstream_test_layout.py).
 """
 
 import pytest
 import torch
 
-from tests.kernels.moe.utils import (
+from tests.kernels.moe.flashinfer_b12x_utils import (
     NVFP4ExpertsLayer,
     b12x_kernel,
     b12x_moe_config,
@@ -24,9 +26,8 @@ from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
     quantize_experts_modelopt,
-    rel_rms_error,
 )
-from tests.kernels.utils import torch_moe, torch_topk
+from tests.kernels.moe.moe_reference import rel_rms_error, torch_moe, torch_topk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     flashinfer_w4a16_prepared_call,
