@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -23,8 +22,8 @@ from vllm.model_executor.layers.fused_moe.config import (
     nvfp4_moe_quant_config,
     nvfp4_w4a16_moe_quant_config,
 )
-from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import (
-    MoEPrepareAndFinalizeNoDPEPModular,
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEExpertsModular,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
@@ -35,7 +34,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
 
 __all__ = [
     "NVFP4ExpertsLayer",
-    "b12x_kernel",
+    "apply_experts",
     "b12x_moe_config",
     "b12x_quant_config",
     "bf16_experts",
@@ -196,6 +195,43 @@ def b12x_quant_config(layer: torch.nn.Module, weight_only: bool) -> FusedMoEQuan
     )
 
 
-def b12x_kernel(experts: mk.FusedMoEExpertsModular) -> mk.FusedMoEKernel:
-    """The modular kernel of one device: no dispatch, ``experts``."""
-    return mk.FusedMoEKernel(MoEPrepareAndFinalizeNoDPEPModular(), experts)
+def apply_experts(
+    experts: FusedMoEExpertsModular,
+    layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: MoEActivation,
+    global_num_experts: int,
+) -> torch.Tensor:
+    """The experts' output [M, K] (``hidden_states.dtype``, on their device)
+    for one call with the 15 arguments vLLM's modular kernel passes, on the
+    layer's weights: one rank (no expert map), no input quantization by the
+    caller (b12x quantizes BF16 inputs itself), router weights applied by
+    the experts (their finalize is a no-op), no workspaces (b12x manages its
+    own).
+
+    Not through ``FusedMoEKernel.apply``: in vLLM 0.33.0 that takes its
+    workspaces from the worker's ``WorkspaceManager`` (upstream's tests set
+    one up on CUDA with their ``workspace_init`` fixture), whose allocation
+    calls ``torch.accelerator.empty_cache()``, an error without an
+    accelerator: the CPU emulation could not run through it."""
+    output = torch.empty_like(hidden_states)
+    experts.apply(
+        output,
+        hidden_states,
+        layer.w13_weight,
+        layer.w2_weight,
+        topk_weights,
+        topk_ids,
+        activation,
+        global_num_experts,
+        None,  # expert_map
+        None,  # a1q_scale
+        None,  # a2_scale
+        None,  # workspace13
+        None,  # workspace2
+        None,  # expert_tokens_meta
+        False,  # apply_router_weight_on_input
+    )
+    return output
