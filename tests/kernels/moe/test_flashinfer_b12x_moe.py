@@ -51,7 +51,9 @@ _B12X = is_flashinfer_b12x_moe_available()
 BACKENDS = [
     pytest.param(
         FlashInferB12xExperts,
-        marks=pytest.mark.skipif(not _B12X, reason=f"b12x kernel: {_B12X.reason}"),
+        marks=pytest.mark.skipif(
+            not _B12X, reason=f"b12x kernel, SM120/SM121 only: {_B12X.reason}"
+        ),
         id="flashinfer_b12x",
     ),
     pytest.param(FlashInferB12xEmulatedExperts, id="emulated"),
@@ -61,7 +63,7 @@ W4A16_BACKENDS = [
     pytest.param(
         FlashInferB12xExperts,
         marks=pytest.mark.skipif(
-            not _W4A16, reason=f"b12x W4A16 kernel: {_W4A16.reason}"
+            not _W4A16, reason=f"b12x W4A16 kernel, SM120/SM121 only: {_W4A16.reason}"
         ),
         id="flashinfer_b12x",
     ),
