@@ -82,3 +82,20 @@ def test_upstream_command_installs_files_that_exist_and_runs_tests_upstream_alon
     assert title in (ROOT / "tests/upstream/upstream_env.py").read_text()
     upstream_reqs = (ROOT / "requirements/upstream-cpu.txt").read_text()
     assert not re.search(r"^vllm\b", upstream_reqs, flags=re.M | re.I)
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(),
+    reason="not a git checkout",
+)
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    # Run as written from the root, the README's commands leave nothing
+    # untracked (w4a16-ckpt/ was, beside the ignored example-ckpt/).
+    text = README.read_text()
+    written = re.findall(r"nvfp4_checkpoint_writer (\S+)", text)
+    written += re.findall(r"--(?:plot|json) (\S+)", text)
+    assert "example-ckpt" in written and "w4a16-ckpt" in written, written
+    for path in written:
+        probe = f"{path}/model.safetensors.index.json" if "." not in path else path
+        result = subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT)
+        assert result.returncode == 0, f"{path} is not ignored by .gitignore"

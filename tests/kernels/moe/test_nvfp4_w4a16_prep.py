@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe, torch_topk
 from tests.kernels.moe.test_nvfp4_moe_prep_state import (
     Interrupt,
     RaiseAtCall,
@@ -22,7 +23,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import bytes_of, torch_moe, torch_topk
+from tests.kernels.utils import bytes_of
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config

@@ -143,6 +143,40 @@ def test_ties_round_to_even():
     check_against_oracle(x, 1.0)
 
 
+def _order_sensitive_blocks(count: int):
+    """(block max, d) pairs whose block scale byte differs between the fast
+    path's order, rcp(d) * (m * rcp(6)), and the precise path's m / (6d):
+    d at and around the float32 neighbours of m / (6 s) for an E4M3 midpoint
+    s, where one ulp decides the rounding."""
+    found = []
+    mids = [f32((E4M3[c][1] + E4M3[c + 1][1]) / 2) for c in range(8, 0x7E, 5)]
+    for m in [0.0390625, 0.3125, 1.171875, 1.90625]:  # exact in bf16
+        for s in mids:
+            d0 = f32(m / (6 * s))
+            bits = struct.unpack("I", struct.pack("f", d0))[0]
+            for k in range(-3, 4):
+                d = struct.unpack("f", struct.pack("I", bits + k))[0]
+                fast = oracle_block([m] + [0.0] * 15, d, True, False)[1]
+                precise = oracle_block([m] + [0.0] * 15, d, False, False)[1]
+                if fast != precise:
+                    found.append((m, d))
+                if len(found) == count:
+                    return found
+    return found
+
+
+def test_fast_path_computes_the_scale_in_the_kernels_order():
+    # One float32 ulp apart, the two orders round a block scale that sits on
+    # an E4M3 midpoint to different bytes: only the kernel's order matches.
+    cases = _order_sensitive_blocks(8)
+    assert len(cases) == 8  # the search's own precondition
+    for m, d in cases:
+        x = torch.zeros(1, 16, dtype=torch.bfloat16)
+        x[0, 0] = m
+        check_against_oracle(x, d, fast=True)
+        check_against_oracle(x, d, fast=False)
+
+
 def test_block_scale_saturates_at_448_and_codes_at_6():
     # d far below the block's range: the scale clamps at 448 (byte 0x7E) and
     # every element beyond 6 * 448 * d saturates at code 7 (6.0).
@@ -173,6 +207,21 @@ def test_subnormal_and_flushed_block_scales():
     packed, scale = quantize_nvfp4_b12x_activation(x, d)
     assert scale.float().min() >= 2**-6  # normal E4M3 scales
     check_against_oracle(x, d)
+
+
+def test_reciprocals_flush_subnormals():
+    # rcp.approx.ftz: a scale whose reciprocal is subnormal (d > 2^126) reads
+    # as 0 on the fast path, so every block scale and code is 0; the precise
+    # path divides instead and keeps the normal block scales it can.
+    x = torch.full((1, 16), 2.0**100).bfloat16()
+    d = 2.0**127
+    packed, scale = quantize_nvfp4_b12x_activation(x, d)
+    assert (scale.view(torch.uint8) == 0).all() and (packed == 0).all()
+    check_against_oracle(x, d)
+    packed, scale = quantize_nvfp4_b12x_activation(x, d, fast_math=False)
+    check_against_oracle(x, d, fast=False)
+    # And the reciprocal flag's own reciprocal: 1 / d of a tiny d.
+    check_against_oracle(x, 2.0**-127 * 3, reciprocal=True)
 
 
 def test_mma_operand_times_scale_recovers_the_activation():
