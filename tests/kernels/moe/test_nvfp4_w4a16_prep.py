@@ -4,6 +4,7 @@
 (measured), resumable at any torch call, reloadable; the layer exposes
 FlashInfer's ``packed_weights`` over its own parameters."""
 
+import dataclasses
 import importlib.util
 import types
 
@@ -788,6 +789,22 @@ def test_launch_arguments_under_expert_parallelism_without_flashinfer(ep_rank):
     )
     assert kw["expert_map"] is None
     assert kw["num_experts"] == kw["num_local_experts"] == e
+    # top_k is the config's (3 here), not a constant.
+    top3 = dataclasses.replace(ex1.moe_config, experts_per_token=3)
+    ids3 = torch.tensor([[0, 1, 2], [3, 2, 1], [1, 0, 3]])
+    kw = w4a16_launch_kwargs(
+        top3,
+        ex1.prepared,
+        prepared,
+        x,
+        single.w13_weight,
+        single.w2_weight,
+        torch.full((3, 3), 1 / 3),
+        ids3,
+        None,
+        out,
+    )
+    assert kw["top_k"] == 3
 
 
 def test_w4a16_layer_takes_the_alpha_mode_only():
