@@ -11,6 +11,7 @@ run, in the section 'quantizer measurements').
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,10 @@ def quantizer_measurements(
 def quantized_case(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     """``get(tool, model, scheme, shard)``: that tool's ``QuantizedCase`` of
     tiny model ``model`` (a name in ``tiny_moe.MODELS``) with ``scheme``,
-    made once per run; each tiny model is written once."""
+    made once per run; each tiny model is written once. Nothing is fetched
+    from the Hugging Face Hub (``HF_HUB_OFFLINE``, set before the tools are
+    first imported, unless the environment says otherwise)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     models: dict[str, Path] = {}
     cases: dict[tuple[str, str, str, bool], Any] = {}
 

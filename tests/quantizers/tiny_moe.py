@@ -201,9 +201,10 @@ def load_tiny_moe(spec: TinyMoE, path: Path):
     import transformers
 
     cls = getattr(transformers, spec.config().architectures[0])
-    model = cls.from_pretrained(path, dtype=torch.bfloat16)
+    model = cls.from_pretrained(path, dtype=torch.bfloat16, local_files_only=True)
     model.eval()
-    return model, transformers.AutoTokenizer.from_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
 
 
 @dataclass(frozen=True)
