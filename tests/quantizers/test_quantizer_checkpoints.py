@@ -102,50 +102,24 @@ W4A4_RATIO = 1.1
 #: A negative control misses by at least this factor.
 MISS = 2.0
 
-# id -> (tool, tiny model, scheme, write sharded)
+# (tool, tiny model, scheme, written sharded)
+_CASE_LIST = (
+    (LLMCOMPRESSOR, "qwen3_moe", "NVFP4", False),
+    (LLMCOMPRESSOR, "qwen3_moe", "NVFP4A16", False),
+    (LLMCOMPRESSOR, "qwen3_5_moe", "NVFP4", True),
+    (LLMCOMPRESSOR, "qwen3_5_moe", "NVFP4A16", False),
+    (MODELOPT, "qwen3_moe", "NVFP4", False),
+    (MODELOPT, "qwen3_moe", "W4A16_NVFP4", False),
+    (MODELOPT, "qwen3_moe", "MIXED_PRECISION-W4A16", False),
+    (MODELOPT, "qwen3_5_moe", "NVFP4", True),
+    (MODELOPT, "qwen3_5_moe", "MIXED_PRECISION-NVFP4", True),
+    # One layer of a real model's size (E=8, H=2048, I=512), W4A4; slow.
+    (LLMCOMPRESSOR, "qwen3_moe-2048x512", "NVFP4", False),
+    (MODELOPT, "qwen3_moe-2048x512", "NVFP4", False),
+)
 _CASES = {
-    "llmcompressor-qwen3_moe-NVFP4": (LLMCOMPRESSOR, "qwen3_moe", "NVFP4", False),
-    "llmcompressor-qwen3_moe-NVFP4A16": (LLMCOMPRESSOR, "qwen3_moe", "NVFP4A16", False),
-    "llmcompressor-qwen3_5_moe-NVFP4-sharded": (
-        LLMCOMPRESSOR,
-        "qwen3_5_moe",
-        "NVFP4",
-        True,
-    ),
-    "llmcompressor-qwen3_5_moe-NVFP4A16": (
-        LLMCOMPRESSOR,
-        "qwen3_5_moe",
-        "NVFP4A16",
-        False,
-    ),
-    "modelopt-qwen3_moe-NVFP4": (MODELOPT, "qwen3_moe", "NVFP4", False),
-    "modelopt-qwen3_moe-W4A16_NVFP4": (MODELOPT, "qwen3_moe", "W4A16_NVFP4", False),
-    "modelopt-qwen3_moe-MIXED_PRECISION-W4A16": (
-        MODELOPT,
-        "qwen3_moe",
-        "MIXED_PRECISION-W4A16",
-        False,
-    ),
-    "modelopt-qwen3_5_moe-NVFP4-sharded": (MODELOPT, "qwen3_5_moe", "NVFP4", True),
-    "modelopt-qwen3_5_moe-MIXED_PRECISION-NVFP4-sharded": (
-        MODELOPT,
-        "qwen3_5_moe",
-        "MIXED_PRECISION-NVFP4",
-        True,
-    ),
-    # One layer of a real model's size (E=8, H=2048, I=512), W4A4.
-    "llmcompressor-qwen3_moe-2048x512-NVFP4": (
-        LLMCOMPRESSOR,
-        "qwen3_moe-2048x512",
-        "NVFP4",
-        False,
-    ),
-    "modelopt-qwen3_moe-2048x512-NVFP4": (
-        MODELOPT,
-        "qwen3_moe-2048x512",
-        "NVFP4",
-        False,
-    ),
+    f"{case[0]}-{case[1]}-{case[2]}{'-sharded' if case[3] else ''}": case
+    for case in _CASE_LIST
 }
 _W4A4_SCHEMES = {"NVFP4", "MIXED_PRECISION-NVFP4"}
 
