@@ -102,3 +102,20 @@ def test_quantizers_command_builds_its_venv_and_runs_tests_quantizers():
     title = "## Checkpoints from the real quantizers (CPU)"
     assert f"\n{title}\n" in README.read_text()
     assert title in QUANTIZERS_COMMAND
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(),
+    reason="not a git checkout",
+)
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    # Run as written from the root, the README's commands leave nothing
+    # untracked (w4a16-ckpt/ was, beside the ignored example-ckpt/).
+    text = README.read_text()
+    written = re.findall(r"nvfp4_checkpoint_writer (\S+)", text)
+    written += re.findall(r"--(?:plot|json) (\S+)", text)
+    assert "example-ckpt" in written and "w4a16-ckpt" in written, written
+    for path in written:
+        probe = f"{path}/model.safetensors.index.json" if "." not in path else path
+        result = subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT)
+        assert result.returncode == 0, f"{path} is not ignored by .gitignore"

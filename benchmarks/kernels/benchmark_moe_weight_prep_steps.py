@@ -25,6 +25,17 @@ w13 rotated on the way) against the memcpy of the bytes it rewrites, one
 thread, quiet and with --busy-cores; checked byte for byte against the
 reference (``nvfp4_utils.w4a16_pack_*``) before it is timed.
 
+What the preparation would cost on the GPU that runs it (it runs there, not
+on this CPU), printed first, for W4A4 and W4A16: per step the device
+operations it dispatches per layer (torch ops: a kernel launch each on a
+GPU) at the CUDA tile size and at the CPU one, its host syncs, and the bytes
+it moves; and from them an estimate for a 16 GB SM120 card whose
+assumptions are flags (``--gpu-*``). The counts come from running each step
+on CPU tensors under a TorchDispatchMode, with CUDA's tile
+(``bounded_chunks._TILE_BYTES["cuda"]``, 16 MiB) set for CPU tensors while
+counting: CUDA's chunking on CPU tensors. The timing tables show the CUDA
+tile's op count beside each step's time.
+
 Medians of --repeats, each on a fresh layer. First on the machine as it is,
 then with --busy-cores processes each copying memory on one core (another
 worker preparing its shard), started for that measurement and stopped after
@@ -38,13 +49,16 @@ reference swizzle (alpha scales).
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from vllm.benchmarks.busy_cores import busy_cores
 from vllm.benchmarks.legacy_moe_prep import (
@@ -56,6 +70,7 @@ from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.benchmarks.moe_weight_prep_ranks import RankShard
 from vllm.benchmarks.moe_weight_prep_report import format_speedup
 from vllm.benchmarks.moe_weight_prep_run import _check_equal, _make_layer
+from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
 )
@@ -69,7 +84,12 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzled_blockscale_shape,
 )
-from vllm.utils.argparse_utils import core_count, non_negative_int, positive_int
+from vllm.utils.argparse_utils import (
+    CommandLineParser,
+    core_count,
+    non_negative_int,
+    positive_int,
+)
 
 MIB = 1 << 20
 STEPS = ["validate", "fold", "reorder", "swizzle", "total"]
@@ -77,19 +97,261 @@ MODES = ["alpha", "fold"]
 
 
 def _step_bytes(tensors: dict, gated: bool) -> dict[str, dict[str, int]]:
-    """Bytes each step moves, per mode (a step that does nothing moves 0)."""
+    """Bytes each step rewrites (validate: reads), per mode; a step that does
+    nothing, 0. What a memcpy of them moves is twice that (one read and one
+    write per byte): see :func:`moved_bytes`."""
     scales = tensors["w13_weight_scale"].numel() + tensors["w2_weight_scale"].numel()
     reorder = tensors["w13_weight"].numel() + tensors["w13_weight_scale"].numel()
-    s2 = tensors["w13_weight_scale_2"]
-    differ = bool((s2 != s2[:, :1]).any())  # only then does "alpha" fold w13
-    alpha_fold = tensors["w13_weight_scale"].numel() if differ else 0
     out = {}
-    for mode, fold in (("alpha", alpha_fold), ("fold", scales), ("legacy", scales)):
+    # alpha mode rewrites no block scale (differing gate/up global scales
+    # ride on the FC2 alpha): its fold step moves nothing.
+    for mode, fold in (("alpha", 0), ("fold", scales), ("legacy", scales)):
         b = {"validate": 0 if mode == "legacy" else scales, "fold": fold,
              "reorder": reorder if gated else 0, "swizzle": scales}  # fmt: skip
         b["total"] = sum(b.values())
         out[mode] = b
     return out
+
+
+# --- on a GPU: device operations and bytes moved, per step -----------------------
+#
+# The preparation runs on the GPU that serves the model. There a step costs
+# the operations it dispatches (each a kernel launch, and eager PyTorch
+# spends microseconds of host time on each) or the bytes it moves at the
+# card's bandwidth, whichever is larger; this CPU's speed says little about
+# either. Both are counted on CPU tensors, with CUDA's chunking.
+
+#: aten ops that launch no kernel on a GPU: allocation and metadata.
+_NO_KERNEL_OPS = frozenset(
+    {"empty", "empty_like", "empty_strided", "lift_fresh", "resize_", "set_"}
+    | {"_unsafe_view"}
+)
+#: aten ops that make the host wait for the device (a scalar read back:
+#: ``.item()``, ``bool(tensor)``).
+_HOST_SYNC_OPS = frozenset({"_local_scalar_dense"})
+#: In-place ops that overwrite their destination without reading it.
+_OVERWRITING_OPS = frozenset({"copy_", "fill_", "zero_"})
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class DeviceOpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (one step's).
+
+    ``ops``: every op that is not a view (views change no data and launch
+    nothing); ``launches``: those that run a kernel on a GPU (``ops`` less
+    allocation and metadata ops, :data:`_NO_KERNEL_OPS`); ``syncs``: host
+    waits (:data:`_HOST_SYNC_OPS`, included in both). ``traffic_bytes``: the
+    bytes the ops read and write, from their tensors: each tensor argument is
+    read (a destination that is only overwritten, ``copy_``, is not), each
+    result or mutated argument written. That counts the bounce buffer's round
+    trips, which a GPU's L2 may absorb: an upper bound of the DRAM traffic.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.launches = self.syncs = self.traffic_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        name = func.overloadpacket.__name__
+        self.ops += 1
+        self.syncs += name in _HOST_SYNC_OPS
+        if name in _NO_KERNEL_OPS:
+            return out  # no kernel: reads and writes nothing
+        self.launches += 1
+        schema = func._schema.arguments
+        given = list(args) + [kwargs.get(a.name) for a in schema[len(args) :]]
+        read, written = [], []
+        for arg, value in zip(schema, given, strict=True):
+            tensors = _tensors_in(value)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                written += tensors
+                if name not in _OVERWRITING_OPS:
+                    read += tensors
+            else:
+                read += tensors
+        if not written:
+            written = _tensors_in(out)
+        self.traffic_bytes += _nbytes(read) + _nbytes(written)
+        return out
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "ops": self.ops,
+            "launches": self.launches,
+            "syncs": self.syncs,
+            "traffic_bytes": self.traffic_bytes,
+        }
+
+
+@contextlib.contextmanager
+def cuda_tiling() -> Iterator[None]:
+    """CPU tensors chunked as CUDA tensors are while the block runs: the
+    bounded steps' tile (``bounded_chunks._TILE_BYTES["cpu"]``) set to
+    CUDA's, restored after. Counting a step's operations inside gives the
+    number a GPU would dispatch."""
+    tiles = bounded_chunks._TILE_BYTES
+    saved = tiles["cpu"]
+    tiles["cpu"] = tiles["cuda"]
+    try:
+        yield
+    finally:
+        tiles["cpu"] = saved
+
+
+def count_step_ops(
+    make_layer: Callable[[], torch.nn.Module], tile: str = "cuda"
+) -> dict[str, dict[str, int]]:
+    """Per preparation step of a fresh ``make_layer()`` (and "total"): the
+    :class:`DeviceOpCounter` counts of running it at ``tile`` ("cuda": CUDA's
+    tile on these CPU tensors, :func:`cuda_tiling`; "cpu": the CPU's)."""
+    layer = make_layer()
+    steps = layer.quant_method.preparation_steps(layer)
+    tiling = cuda_tiling() if tile == "cuda" else contextlib.nullcontext()
+    out: dict[str, dict[str, int]] = {}
+    with tiling, moe_prep_threads(torch.device("cpu")):
+        for name, fn in steps:
+            with DeviceOpCounter() as counter:
+                fn()
+            out[name] = counter.counts()
+    out["total"] = {
+        k: sum(c[k] for c in out.values()) for k in next(iter(out.values()))
+    }
+    return out
+
+
+def moved_bytes(rewritten: dict[str, int], read_only: tuple[str, ...]) -> dict:
+    """Bytes each step must move at least, read plus written, from the bytes
+    it rewrites (each read once and written once: 2x) or, for the steps in
+    ``read_only``, only reads (1x); "total" is recomputed."""
+    out = {s: n * (1 if s in read_only else 2) for s, n in rewritten.items()}
+    out["total"] = sum(n for s, n in out.items() if s != "total")
+    return out
+
+
+#: The GPU estimate's defaults (``--gpu-*``), for a 16 GB SM120 card: host
+#: time per eager torch op (Python, the dispatcher, the launch; 5-20 us on
+#: current CPUs), the extra wait of a host sync, and the effective bandwidth
+#: of the slowest such card (RTX 5060 Ti 16 GB: 448 GB/s peak, ~70% of it).
+GPU_ASSUMPTIONS = {"op_us": 10.0, "sync_us": 20.0, "bandwidth_gbs": 320.0}
+
+#: Steps that read tensors and write nothing (a check, the exponents).
+_READ_ONLY_STEPS = ("validate", "exponents")
+
+
+def gpu_estimate_s(ops: dict, moved: int, gpu: dict) -> float:
+    """Seconds one step would take on a GPU: the larger of its host time
+    (``ops["ops"]`` x ``gpu["op_us"]``: eager dispatch and launch, the
+    device working meanwhile) and its bytes over the effective bandwidth,
+    plus ``gpu["sync_us"]`` for each host sync (the queue drains)."""
+    host = ops["ops"] * gpu["op_us"] * 1e-6
+    device = moved / (gpu["bandwidth_gbs"] * 1e9)
+    return max(host, device) + ops["syncs"] * gpu["sync_us"] * 1e-6
+
+
+LAYOUTS = ("w4a4 alpha", "w4a4 fold", "w4a16")
+
+
+def measure_device_ops(preset, tensors, layouts=LAYOUTS) -> dict:
+    """Per layout of ``layouts`` (W4A4 in either mode, W4A16), per step: the
+    op counts at the CUDA and the CPU tile, and the bytes: ``rewritten``,
+    ``moved`` (the floor, :func:`moved_bytes`) and, from the CUDA tile's
+    count, ``traffic``."""
+
+    def w4a4(mode):
+        cap, cpu = DEFAULT_MAX_TRANSIENT_BYTES, torch.device("cpu")
+        return lambda: _make_layer(preset, RankShard(), cpu, tensors, cap, mode)
+
+    step_bytes = _step_bytes(tensors, preset.is_gated)
+    makers = {
+        "w4a4 alpha": (w4a4("alpha"), step_bytes["alpha"]),
+        "w4a4 fold": (w4a4("fold"), step_bytes["fold"]),
+        "w4a16": (lambda: _w4a16_layer(preset, tensors), _w4a16_bytes(tensors)),
+    }
+    layouts_made = {name: makers[name] for name in layouts}
+    out = {}
+    for layout, (make, rewritten) in layouts_made.items():
+        cuda, cpu = count_step_ops(make, "cuda"), count_step_ops(make, "cpu")
+        rewritten = {s: rewritten.get(s, 0) for s in cuda}
+        rewritten["total"] = sum(n for s, n in rewritten.items() if s != "total")
+        moved = moved_bytes(rewritten, _READ_ONLY_STEPS)
+        out[layout] = {
+            step: {
+                "ops_cuda_tile": cuda[step],
+                "ops_cpu_tile": cpu[step],
+                "rewritten_bytes": rewritten[step],
+                "moved_bytes": moved[step],
+                "traffic_bytes": cuda[step]["traffic_bytes"],
+            }  # fmt: skip
+            for step in cuda
+        }
+    return out
+
+
+def format_device_ops(preset, result: dict, gpu: dict) -> str:
+    """The op and byte table of :func:`measure_device_ops` and the GPU
+    estimate, with what was counted and assumed."""
+    tiles = bounded_chunks._TILE_BYTES
+    lines = [
+        f"On a GPU: what one {preset.name} MoE layer's preparation dispatches "
+        "and moves, per step",
+        "  ops: torch ops dispatched (views not counted), each a kernel launch "
+        "on a GPU (allocations aside); counted on CPU tensors",
+        f"  ops@CUDA: with CUDA's {tiles['cuda'] >> 20} MiB tile set for CPU "
+        "tensors while counting (bounded_chunks._TILE_BYTES): the chunks a GPU "
+        f"runs; ops@CPU: the CPU's {tiles['cpu'] / MIB:.2f} MiB tile",
+        "  syncs: host waits (.item(), bool() of a tensor)",
+        "  moved: bytes read + written, 2x what a step rewrites (1x what "
+        "validate and exponents only read): the floor",
+        "  traffic: what its ops read and write, the bounce buffer's round trips "
+        "included (a GPU's L2 holds some): the ceiling",
+    ]
+    for layout, steps in result.items():
+        lines += [
+            "",
+            f"{layout:<11}{'ops@CUDA':>9}{'ops@CPU':>9}{'syncs':>7}"
+            f"{'moved MiB':>11}{'traffic MiB':>13}",
+        ]
+        for step, r in steps.items():
+            lines.append(
+                f"{step:<11}{r['ops_cuda_tile']['ops']:>9,}"
+                f"{r['ops_cpu_tile']['ops']:>9,}{r['ops_cuda_tile']['syncs']:>7}"
+                f"{r['moved_bytes'] / MIB:>11,.0f}{r['traffic_bytes'] / MIB:>13,.0f}"
+            )
+    layers = preset.num_moe_layers
+    lines += [
+        "",
+        f"estimated on a 16 GB SM120 card, assumed: {gpu['op_us']:g} us of host "
+        f"time per op (eager dispatch and launch), {gpu['sync_us']:g} us more per "
+        f"sync, {gpu['bandwidth_gbs']:g} GB/s effective (--gpu-op-us, "
+        "--gpu-sync-us, --gpu-bandwidth-gbs); per step the larger of host time "
+        "and bytes / bandwidth; the range: moved .. traffic bytes",
+    ]
+    for layout, steps in result.items():
+        per_layer = [
+            sum(
+                gpu_estimate_s(r["ops_cuda_tile"], r[key], gpu)
+                for step, r in steps.items()
+                if step != "total"
+            )
+            for key in ("moved_bytes", "traffic_bytes")
+        ]
+        lines.append(
+            f"  {layout:<11}{per_layer[0] * 1e3:6.1f} - {per_layer[1] * 1e3:6.1f} ms "
+            f"per layer, {per_layer[0] * layers:.2f} - {per_layer[1] * layers:.2f} s "
+            f"for the {layers} MoE layers"
+        )
+    return "\n".join(lines)
 
 
 def _median(values: list[float]) -> float:
@@ -279,10 +541,14 @@ def _check_w4a16(preset, tensors) -> None:
 
 
 def _w4a16_bytes(tensors) -> dict[str, int]:
+    """Bytes each W4A16 step rewrites (validate and exponents: the block
+    scales they read); "total": what the preparation rewrites, w13 and w2."""
     nbytes = {s: 0 for s in [*W4A16_STEPS, "total"]}
     for prefix in ("w13", "w2"):
         nbytes[prefix] = sum(tensors[f"{prefix}_{k}"].numel()
                              for k in ("weight", "weight_scale"))  # fmt: skip
+    scales = tensors["w13_weight_scale"].numel() + tensors["w2_weight_scale"].numel()
+    nbytes["validate"] = nbytes["exponents"] = scales
     nbytes["total"] = nbytes["w13"] + nbytes["w2"]
     return nbytes
 
@@ -312,47 +578,78 @@ def _condition(busy: int, threads: int) -> str:
     return f"{busy} busy process(es) on {threads} thread(s) each"
 
 
-def format_w4a16(result: dict, condition: str = "quiet") -> str:
+def format_w4a16(result: dict, condition: str = "quiet", ops=None) -> str:
+    """The W4A16 timing table; ``ops`` (:func:`measure_device_ops`' "w4a16")
+    adds each step's op count at the CUDA tile and the bytes it moves."""
     lines = [
         f"W4A16 (FlashInfer's packed layout, in place; one thread, {condition}; "
         "memcpy: quiet)",
-        f"{'step':<10}{'MiB':>7}{'memcpy':>10}{'time':>10}{'x memcpy':>10}",
+        f"{'step':<10}{'MiB':>7}{'memcpy':>10}{'time':>10}{'x memcpy':>10}"
+        + (f"{'ops@CUDA':>10}{'moved MiB':>11}" if ops else ""),
     ]
     for step, rec in result.items():
         ratio = (f"{rec['time_s'] / rec['memcpy_s']:.1f}x" if rec["memcpy_s"]
                  else "-")  # fmt: skip
+        extra = ""
+        if ops:
+            o = ops[step]
+            extra = f"{o['ops_cuda_tile']['ops']:>10,}{o['moved_bytes'] / MIB:>11,.0f}"
         lines.append(
             f"{step:<10}{rec['bytes'] / MIB:>7.0f}{rec['memcpy_s'] * 1e3:>8.1f}ms"
-            f"{rec['time_s'] * 1e3:>8.1f}ms{ratio:>10}"
+            f"{rec['time_s'] * 1e3:>8.1f}ms{ratio:>10}{extra}"
+        )
+    if ops:
+        lines.append(
+            "(MiB: the bytes a step rewrites; ops@CUDA: torch ops it dispatches "
+            "with CUDA's tile, a kernel launch each on a GPU; moved: read + written)"
         )
     return "\n".join(lines)
 
 
-def _cell(rec: dict) -> str:
+def _cell(rec: dict, ops: dict | None = None) -> str:
     t, floor = rec["time_s"], rec["memcpy_s"]
+    count = f"{ops['ops_cuda_tile']['ops']:>6,}" if ops else ""
     if t is None:
-        return f"{'-':>9}{'':>7}"
+        return f"{'-':>9}{'':>7}{count}"
     ratio = f"{t / floor:5.1f}x" if floor else "     -"
-    return f"{t * 1e3:7.1f}ms{ratio:>7}"
+    return f"{t * 1e3:7.1f}ms{ratio:>7}{count}"
 
 
-def format_condition(label: str, result: dict) -> str:
+def format_condition(label: str, result: dict, ops: dict | None = None) -> str:
+    """One condition's W4A4 table; ``ops`` (:func:`measure_device_ops`) adds
+    each bounded step's op count at the CUDA tile beside its time, and the
+    bytes the fold mode's step moves."""
     variants = ["alpha", "fold", "legacy"]
+    layout = {"alpha": "w4a4 alpha", "fold": "w4a4 fold"}
+    width = 22 if ops else 16
     lines = [
         label,
         f"{'step':<10}{'MiB':>7}{'memcpy':>10}"
-        + "".join(f"{v:>16}" for v in variants)
-        + "   (time, x the memcpy of its bytes)",
+        + (f"{'moved':>9}" if ops else "")
+        + "".join(f"{v:>{width}}" for v in variants)
+        + "   (time, x the memcpy of its bytes"
+        + (", ops at the CUDA tile)" if ops else ")"),
     ]
     for step in STEPS:
         f = result["fold"][step]  # the mode that moves the most
+        moved = ""
+        if ops:
+            moved = f"{ops['w4a4 fold'][step]['moved_bytes'] / MIB:>9,.0f}"
+        cells = [
+            _cell(result[v][step], ops and ops[layout[v]].get(step))
+            if v in layout
+            else _cell(result[v][step])
+            for v in variants
+        ]
         lines.append(
-            f"{step:<10}{f['bytes'] / MIB:>7.0f}{f['memcpy_s'] * 1e3:>8.1f}ms"
-            + "".join(f"{_cell(result[v][step]):>16}" for v in variants)
+            f"{step:<10}{f['bytes'] / MIB:>7.0f}{f['memcpy_s'] * 1e3:>8.1f}ms{moved}"
+            + "".join(f"{c:>{width}}" for c in cells)
         )
     lines.append(
-        "(memcpy: quiet, of the bytes the fold mode moves; in alpha mode the fold "
-        "moves nothing when w1 and w3 share a global scale)"
+        "(MiB: the bytes the fold mode's step rewrites (validate: reads), memcpy: "
+        "quiet, of those "
+        "bytes; moved: read + written, MiB; in alpha mode the fold step moves "
+        "nothing: no block scale is rewritten)"
     )
     lt = result["legacy"]["total"]["time_s"]
     for mode in MODES:
@@ -362,7 +659,7 @@ def format_condition(label: str, result: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3.6-35b-a3b",
                         choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
     parser.add_argument("--repeats", type=positive_int, default=5)
@@ -390,6 +687,27 @@ def main() -> int:
         "--w4a16", choices=["also", "only", "no"], default="also",
         help="time the W4A16 preparation's steps too (only: nothing else)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device-ops", choices=["also", "only", "no"], default="also",
+        help="count each step's device operations and bytes and print the GPU "
+        "estimate first (only: nothing else; counting at the CPU tile runs "
+        "the W4A16 steps once more, seconds)",
+    )  # fmt: skip
+    # The GPU estimate's assumptions, for a 16 GB SM120 card.
+    parser.add_argument(
+        "--gpu-op-us", type=float, default=GPU_ASSUMPTIONS["op_us"],
+        help="host time per torch op on the GPU machine: eager dispatch and "
+        "the launch (default %(default)s us)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-sync-us", type=float, default=GPU_ASSUMPTIONS["sync_us"],
+        help="extra wait per host sync, the queue draining (default %(default)s us)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-bandwidth-gbs", type=float, default=GPU_ASSUMPTIONS["bandwidth_gbs"],
+        help="effective memory bandwidth (default %(default)s GB/s: about 70%% of "
+        "the RTX 5060 Ti 16 GB's 448 GB/s, the slowest 16 GB SM120 card)",
+    )  # fmt: skip
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.threads is not None:
@@ -398,6 +716,19 @@ def main() -> int:
         os.environ["VLLM_MOE_PREP_CPU_THREADS"] = str(args.prep_threads)
     preset = get_preset(args.model)
     tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), args.seed)
+    gpu = {"op_us": args.gpu_op_us, "sync_us": args.gpu_sync_us,
+           "bandwidth_gbs": args.gpu_bandwidth_gbs}  # fmt: skip
+    device_ops = None
+    if args.device_ops != "no":
+        layouts = {"only": ("w4a16",), "no": LAYOUTS[:2]}.get(args.w4a16, LAYOUTS)
+        device_ops = measure_device_ops(preset, tensors, layouts)
+        print(format_device_ops(preset, device_ops, gpu) + "\n")
+        if args.device_ops == "only":
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"device_ops": device_ops, "gpu_assumptions": gpu},
+                              f, indent=1)  # fmt: skip
+            return 0
     w4a16 = None
     if args.w4a16 != "no":
         _check_w4a16(preset, tensors)
@@ -410,7 +741,9 @@ def main() -> int:
                     torch.device("cpu")):  # fmt: skip
                 w4a16[str(busy)] = measure_w4a16(preset, tensors, args.repeats,
                                                  w4a16_floors)  # fmt: skip
-            print(format_w4a16(w4a16[str(busy)], _condition(busy, args.busy_threads)))
+            condition = _condition(busy, args.busy_threads)
+            ops = device_ops and device_ops["w4a16"]
+            print(format_w4a16(w4a16[str(busy)], condition, ops))
         if args.busy_cores:
             quiet = w4a16["0"]["total"]["time_s"]
             busy_s = w4a16[str(args.busy_cores)]["total"]["time_s"]
@@ -418,7 +751,8 @@ def main() -> int:
     if args.w4a16 == "only":
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"busy_cores": args.busy_cores, "w4a16": w4a16}, f,
+                json.dump({"busy_cores": args.busy_cores, "w4a16": w4a16,
+                           "device_ops": device_ops, "gpu_assumptions": gpu}, f,
                           indent=1)  # fmt: skip
         return 0
     _check(preset, tensors)
@@ -439,7 +773,7 @@ def main() -> int:
         with busy_cores(busy, args.busy_threads):
             conditions[busy] = measure(preset, tensors, args.repeats, floors)
         label = _condition(busy, args.busy_threads)
-        print("\n" + format_condition(label, conditions[busy]))
+        print("\n" + format_condition(label, conditions[busy], device_ops))
     alternatives = measure_alternatives(tensors, args.repeats)
     a = alternatives
     print(
@@ -460,7 +794,8 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"header": header, "busy_cores": args.busy_cores,
                        "conditions": {str(k): v for k, v in conditions.items()},
-                       "alternatives": alternatives, "w4a16": w4a16}, f,
+                       "alternatives": alternatives, "w4a16": w4a16,
+                       "device_ops": device_ops, "gpu_assumptions": gpu}, f,
                       indent=1)  # fmt: skip
     return 0
 

@@ -22,7 +22,6 @@ timed. Peak transient memory is measured in a separate, untimed call.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -41,7 +40,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
-from vllm.utils.argparse_utils import core_count, positive_int
+from vllm.utils.argparse_utils import CommandLineParser, core_count, positive_int
 from vllm.utils.mem_utils import measure_peak_memory
 
 MIB = 1 << 20
@@ -196,7 +195,7 @@ def print_table(result):
 
 def main():
     gated = [n for n, p in MOE_MODEL_PRESETS.items() if p.is_gated]
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=gated, choices=gated)
     parser.add_argument(
         "--devices", nargs="+", default=None, choices=["cpu", "cuda"],

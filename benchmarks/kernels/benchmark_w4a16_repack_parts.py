@@ -26,7 +26,6 @@ checked against the reference (``nvfp4_utils.w4a16_pack_weight``) first.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -38,7 +37,7 @@ from vllm.model_executor.layers.quantization.utils import flashinfer_w4a16_moe a
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     w4a16_pack_weight,
 )
-from vllm.utils.argparse_utils import core_count, positive_int
+from vllm.utils.argparse_utils import CommandLineParser, core_count, positive_int
 
 MIB = 1 << 20
 
@@ -136,7 +135,7 @@ def measure(preset, repeats: int, compiled) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = CommandLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3.6-35b-a3b",
                         choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
     parser.add_argument("--repeats", type=positive_int, default=20)

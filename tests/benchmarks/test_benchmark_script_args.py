@@ -79,9 +79,10 @@ def test_bad_counts_are_one_line_errors_before_the_run(case, capsys, monkeypatch
         module.main()
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"{script}: error: argument "), err
-    assert message in err[-1], err
-    assert not any("Traceback" in line for line in err)
+    # The error and a hint, not the usage first.
+    assert len(err) == 2 and err[0].startswith(f"{script}: error: argument "), err
+    assert message in err[0], err
+    assert err[1] == f"Try '{script} --help' for more information.", err
 
 
 @pytest.mark.parametrize("script", sorted(ENTRY_POINTS))

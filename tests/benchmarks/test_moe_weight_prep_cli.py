@@ -172,9 +172,10 @@ def test_bad_arguments_are_one_line_errors_before_the_run(case, capsys, monkeypa
         main(["bench", "moe-weight-prep", *source, "--no-progress", *argv])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("vllm bench moe-weight-prep: error:"), err
-    assert message in err[-1], err
-    assert not any("Traceback" in line for line in err)
+    assert len(err) == 2, err  # the error and the --help hint
+    assert err[0].startswith("vllm bench moe-weight-prep: error:"), err
+    assert message in err[0], err
+    assert "--help" in err[1]
 
 
 def test_memory_limit_exceeded_exits_non_zero(tmp_path, capsys):
@@ -237,6 +238,20 @@ def test_help_is_plain_text_and_every_option_has_help(capsys):
         assert action.help, f"{action.option_strings} has no help text"
 
 
+def test_global_scale_mode_help_says_no_block_scale_is_rewritten(capsys):
+    # Since the exact alphas, differing gate/up global scales are no longer
+    # folded into one half (the help said "about 3%"): the ratio rides on
+    # the FC2 alpha, as the README and the design page say.
+    with pytest.raises(SystemExit):
+        main(["bench", "moe-weight-prep", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    start = text.index("how per-expert global scales reach the kernel")
+    help_text = text[start : text.index("--precision", start)]
+    assert "rewrites no block scale" in help_text, help_text
+    assert "the ratio rides on the FC2 alpha" in help_text, help_text
+    assert "folded into one half" not in help_text and "3%" not in help_text
+
+
 def test_version(capsys):
     import vllm
 
@@ -266,5 +281,6 @@ def test_example_writer_errors_are_one_line(case, tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     prog = "python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer"
-    assert err[-1].startswith(f"{prog}: error:") and message in err[-1], err
+    assert len(err) == 2 and err[1] == f"Try '{prog} --help' for more information."
+    assert err[0].startswith(f"{prog}: error:") and message in err[0], err
     assert not (tmp_path / "ckpt").exists()

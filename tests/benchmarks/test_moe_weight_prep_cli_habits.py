@@ -13,6 +13,8 @@ from vllm.entrypoints.cli.main import main, make_parser
 from vllm.utils.argparse_utils import available_cores
 
 PROG = "vllm bench moe-weight-prep"
+HINT = f"Try '{PROG} --help' for more information."
+VARIANTS = ("legacy", "bounded")
 
 
 def _job_parser():
@@ -107,18 +109,44 @@ ARGUMENT_ERRORS = {
                            "--checkpoint /nonexistent-ckpt: no such directory"),
     "tp 3": (["--tp", "3"], "--tp 3 does not divide"),
     "cap too small": (["--max-transient", "1"], "below 64KiB"),
+    # -ep alone ran without expert parallelism, without a word (rc 0).
+    "ep without tp": (["-ep"], "--enable-expert-parallel (-ep) needs --tp N "
+                      "with N > 1"),
+    "ep with tp 1": (["--tp", "1", "--enable-expert-parallel"], "needs --tp N"),
+    # No abbreviations: a typo is not another option.
+    "num-layer typo": (["--num-layer", "1"],
+                       "unrecognized arguments: --num-layer 1"),
+    "prefix of --memory-limit": (["--mem", "5MiB"], "unrecognized arguments: --mem"),
+    # A negative size reaches the size's own message, in both spellings
+    # (before: "expected one argument" for the first).
+    "memory limit -5MiB": (["--memory-limit", "-5MiB"],
+                           "argument --memory-limit: size must be at least one "
+                           "byte, got '-5MiB'"),
+    "memory limit=-5MiB": (["--memory-limit=-5MiB"],
+                           "size must be at least one byte, got '-5MiB'"),
+    "max transient -.5G": (["--max-transient", "-.5G"], "at least one byte"),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("case", sorted(ARGUMENT_ERRORS))
-def test_argument_errors_come_before_the_run_with_usage(case, capsys, no_run):
+def test_argument_errors_come_before_the_run_with_a_help_hint(case, capsys, no_run):
     argv, message = ARGUMENT_ERRORS[case]
     source = [] if "--checkpoint" in argv else ["--model", "qwen3.6-35b-a3b"]
     err = _error(capsys, [*source, *argv])
-    assert err[-1].startswith(f"{PROG}: error: ") and message in err[-1], err
-    # Usage printed consistently: with every argument error, as argparse's
-    # own (an invalid choice, a bad integer) print it.
-    assert err[0].startswith(f"usage: {PROG} "), err
+    # The error, then a one-line hint, for every argument error alike,
+    # argparse's own (an invalid choice, a bad integer) and the job's: not
+    # the 16-line usage before the one useful line.
+    assert len(err) == 2, err
+    assert err[0].startswith(f"{PROG}: error: ") and message in err[0], err
+    assert err[1] == HINT, err
+
+
+def test_negative_values_that_are_numbers_still_parse():
+    # Control for the negative sizes above: a value starting with "-" and a
+    # digit is a value (a negative seed as before), options are unchanged.
+    args = _job_parser().parse_args(["--model", "mixtral-8x7b", "--seed", "-3",
+                                     "-tp", "2", "-ep"])  # fmt: skip
+    assert args.seed == -3 and args.tp == 2 and args.enable_expert_parallel
 
 
 def _example(path, activation="silu", layers=1, experts=8):
@@ -131,6 +159,28 @@ def _example(path, activation="silu", layers=1, experts=8):
                    "--intermediate-size", "256", "--activation",
                    activation])  # fmt: skip
     return path
+
+
+def test_a_damaged_second_shard_is_refused_before_the_first_layer(
+    tmp_path, capsys, no_run
+):
+    # Before: a corrupt header in the second shard failed the run (rc 1)
+    # only after two layers had been prepared.
+    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
+        random_bf16_experts,
+        write_nvfp4_moe_checkpoint,
+    )
+
+    layers = {i: random_bf16_experts(8, 256, 256, True, seed=i) for i in range(3)}
+    config = {"hidden_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 256}  # fmt: skip
+    ckpt = write_nvfp4_moe_checkpoint(tmp_path / "ckpt", layers, config,
+                                      max_shard_bytes=1 << 20)  # fmt: skip
+    second = sorted(ckpt.glob("*.safetensors"))[1]
+    data = second.read_bytes()
+    second.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
+    err = _error(capsys, ["--checkpoint", str(ckpt)])
+    assert err[0].startswith(f"{PROG}: error: {second}: not a readable"), err
 
 
 def _run(tmp_path, capsys, *argv, ckpt=None):
@@ -245,11 +295,38 @@ def test_precision_report_says_what_it_decoded(tmp_path, capsys, how):
 
 def test_job_time_says_where_the_time_went(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc, captured = _run(tmp_path, capsys, "--json", str(out))
+    ckpt = _example(tmp_path / "ckpt", layers=2)
+    rc, captured = _run(tmp_path, capsys, "--json", str(out), ckpt=ckpt)
     job = json.loads(out.read_text())
-    phases = job["ranks"][0]["phase_times_s"]
-    assert set(phases) == {"timed", "metered", "check", "precision", "weights"}
+    result = job["ranks"][0]
+    phases = result["phase_times_s"]
+    assert set(phases) == {
+        "timed",
+        "copy_in",
+        "metered",
+        "check",
+        "precision",
+        "weights",
+    }
     assert sum(phases.values()) <= job["wall_time_s"]
+    # "preparing" is the step table's time: its totals, legacy plus bounded
+    # (before, it also held copying each layer in: 135.5 s said against a
+    # table of 91.4 s).
+    totals = [result["summary"][v]["total"]["total_time_s"] for v in VARIANTS]
+    assert phases["timed"] == pytest.approx(sum(totals), rel=1e-12)
+    assert phases["copy_in"] > 0
     line = next(x for x in captured.out.splitlines() if x.startswith("job: "))
     wall = job["wall_time_s"]
-    assert line.startswith(f"job: {wall:.1f} s wall: preparing (the timed runs")
+    assert line.startswith(
+        f"job: {wall:.1f} s wall: preparing (the step table's time, legacy and "
+        f"bounded) {phases['timed']:.1f} s"
+    ), line
+    copied = (
+        "copying each layer in (a clone for legacy, a new layer for bounded; "
+        f"not in the table) {phases['copy_in']:.1f} s"
+    )
+    assert copied in line, line
+    # The printed totals add up to the printed "preparing" figure.
+    row = next(x for x in captured.out.splitlines() if x.startswith("total "))
+    legacy_s, bounded_s = (float(v) for v in row.split()[-4::2])
+    assert abs(legacy_s + bounded_s - phases["timed"]) < 0.002, (row, line)

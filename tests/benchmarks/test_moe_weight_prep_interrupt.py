@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.sigint import reset_sigint_in_child, sigint_raises_keyboard_interrupt
+
 ROOT = Path(__file__).resolve().parents[2]
 PROG = "vllm bench moe-weight-prep"
 
@@ -44,8 +46,10 @@ def test_ctrl_c_during_the_run_is_one_line_and_status_130(case, tmp_path):
            "--plot", str(out_png)]  # fmt: skip
     # A session of its own: Ctrl-C in a terminal reaches the whole process
     # group (the job, its ranks and busy processes), as killpg does here.
+    # SIGINT at its default in the job, which ignores it when inherited so.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_env(), start_new_session=True)  # fmt: skip
+                            env=_env(), start_new_session=True,
+                            preexec_fn=reset_sigint_in_child)  # fmt: skip
     err: list[bytes] = []
     reader = threading.Thread(target=lambda: err.extend(iter(
         lambda: proc.stderr.read1(4096), b"")), daemon=True)  # fmt: skip
@@ -59,8 +63,9 @@ def test_ctrl_c_during_the_run_is_one_line_and_status_130(case, tmp_path):
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
         # Not communicate(): the reader thread alone reads stderr (two
-        # readers would split its bytes between them).
-        proc.wait(timeout=60)
+        # readers would split its bytes between them). Generous: stopping
+        # the ranks and busy processes takes seconds on a loaded machine.
+        proc.wait(timeout=180)
         out = proc.stdout.read()
     finally:
         if proc.poll() is None:
@@ -87,8 +92,11 @@ def test_ctrl_c_while_importing_exits_at_once_quietly():
         "    time.sleep(30)\n"
         "print('not reached')\n"
     )
+    # Where SIGINT is inherited as ignored the job leaves it so (a
+    # background job's Ctrl-C is not its own): reset it, as a terminal has it.
     result = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                            text=True, env=_env(), timeout=60)  # fmt: skip
+                            text=True, env=_env(), timeout=180,
+                            preexec_fn=reset_sigint_in_child)  # fmt: skip
     assert result.returncode == 130
     assert result.stderr == "vllm: interrupted\n" and result.stdout == ""
 
@@ -96,8 +104,24 @@ def test_ctrl_c_while_importing_exits_at_once_quietly():
 def test_ctrl_c_outside_the_import_is_a_keyboard_interrupt_again():
     # Control: after the import the handler is Python's own again, so the
     # job's cleanup (stopping ranks, busy processes) runs in its finally.
+    # Python's handler first, as a terminal's process has it (a background
+    # pytest inherits SIGINT ignored, and then the job rightly changes nothing).
     from vllm.entrypoints.cli.main import _sigint_exits_at_once
 
-    with _sigint_exits_at_once():
-        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with sigint_raises_keyboard_interrupt():
+        with _sigint_exits_at_once():
+            assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_ignored_on_entry_stays_ignored_through_the_import():
+    # Control: a job started with SIGINT ignored (nohup, `&`) keeps it so.
+    from vllm.entrypoints.cli.main import _sigint_exits_at_once
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _sigint_exits_at_once():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -166,9 +166,25 @@ def test_each_rank_holds_its_shard_and_the_collective_sums(two_ranks):
         assert owned == [e - 4 * rank if e // 4 == rank else None for e in range(E)]
 
 
+def _broken_shard(rank):
+    """The error rank 1 raises; it carries the moment it was raised (the
+    wall clock every process shares), so a test can time the job's end
+    from the failure itself, not from the spawn (seconds of starting
+    processes and importing torch on a loaded machine)."""
+    import time
+
+    return ValueError(f"checkpoint shard of rank {rank} is broken at {time.time()}")
+
+
+def _seconds_since_the_failure(error: WorkerError) -> float:
+    import time
+
+    return time.time() - float(error.message.rsplit(" at ", 1)[1])
+
+
 def _fail_on_rank_1(rank):
     if rank == 1:
-        raise ValueError("checkpoint shard of rank 1 is broken")
+        raise _broken_shard(rank)
     # Rank 0 waits in a collective for a rank that will never come.
     tensor_model_parallel_all_reduce(torch.ones(1))
     return "unreachable"
@@ -177,31 +193,42 @@ def _fail_on_rank_1(rank):
 @pytest.mark.slow  # two spawned ranks
 def test_a_failing_rank_ends_the_job_with_its_error():
     import multiprocessing
-    import time
 
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
+    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard") as e:
         spawn_workers(_fail_on_rank_1, 2, timeout_s=120, deadline_s=120)
-    assert time.monotonic() - start < 60  # not the collective's timeout
+    # Ended from the failure on, well before the collective's 120 s timeout
+    # that rank 0 is waiting in.
+    assert _seconds_since_the_failure(e.value) < 60
     assert multiprocessing.active_children() == []
 
 
 def _finish_on_rank_0(rank):
     if rank == 1:
-        raise ValueError("checkpoint shard of rank 1 is broken")
+        raise _broken_shard(rank)
     return "done"  # then waits in the launcher's barrier for rank 1
 
 
 @pytest.mark.slow  # two spawned ranks
 def test_a_rank_that_finished_does_not_hide_a_failing_one():
     import multiprocessing
+
+    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard") as e:
+        spawn_workers(_finish_on_rank_0, 2, timeout_s=120, deadline_s=120)
+    assert _seconds_since_the_failure(e.value) < 60  # not the barrier's timeout
+    assert multiprocessing.active_children() == []
+
+
+def _wait_for(path, what: str) -> None:
+    """Poll until ``path`` exists (another rank's signal), bounded far above
+    any machine's load: an event, not a guess at how long the other takes."""
+    import os
     import time
 
-    start = time.monotonic()
-    with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
-        spawn_workers(_finish_on_rank_0, 2, timeout_s=120, deadline_s=120)
-    assert time.monotonic() - start < 60
-    assert multiprocessing.active_children() == []
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} never happened")
+        time.sleep(0.01)
 
 
 def _record_teardown(rank, out_dir):
@@ -217,9 +244,16 @@ def _record_teardown(rank, out_dir):
         real()
 
     ps.destroy_distributed_environment = recorded
-    if rank == 1:
-        time.sleep(1.5)
-    return time.time()
+    returned = time.time()
+    if rank == 0:
+        Path(out_dir, "returned0").touch()
+    else:
+        # Rank 1 finishes after rank 0 has: it waits for rank 0's return,
+        # then a little more (rank 0 is then waiting to tear down).
+        _wait_for(Path(out_dir, "returned0"), "rank 0's return")
+        time.sleep(0.5)
+        returned = time.time()
+    return returned
 
 
 @pytest.mark.slow  # two spawned ranks
@@ -240,17 +274,21 @@ def test_a_rank_tears_down_only_after_every_rank_finished(tmp_path, tp_size):
     assert fast_teardown >= returned[1] > returned[0]
 
 
-def _fail_late_on_rank_1(rank):
+def _fail_late_on_rank_1(rank, out_dir):
     import time
+    from pathlib import Path
 
     if rank == 1:
+        # Fails after rank 0 has finished (then rank 0 is waiting for it).
+        _wait_for(Path(out_dir, "done0"), "rank 0's return")
         time.sleep(0.3)
         raise ValueError("checkpoint shard of rank 1 is broken")
+    Path(out_dir, "done0").touch()
     return "done"  # rank 0 then waits for rank 1 before its teardown
 
 
 @pytest.mark.slow  # two spawned ranks
-def test_the_failing_rank_is_blamed_when_the_parent_reads_late(monkeypatch):
+def test_the_failing_rank_is_blamed_when_the_parent_reads_late(monkeypatch, tmp_path):
     # The parent reads both pipes at once (it was busy): rank 0, which
     # finished, must not be blamed for the error its wait for rank 1 met.
     import multiprocessing.connection
@@ -264,7 +302,13 @@ def test_the_failing_rank_is_blamed_when_the_parent_reads_late(monkeypatch):
 
     monkeypatch.setattr(multiprocessing.connection, "wait", late_wait)
     with pytest.raises(WorkerError, match="rank 1: ValueError: checkpoint shard"):
-        spawn_workers(_fail_late_on_rank_1, 2, timeout_s=120, deadline_s=120)
+        spawn_workers(
+            _fail_late_on_rank_1,
+            2,
+            args=(str(tmp_path),),
+            timeout_s=120,
+            deadline_s=600,
+        )
 
 
 def _stuck_on_rank_1(rank):
@@ -277,8 +321,59 @@ def _stuck_on_rank_1(rank):
 
 @pytest.mark.slow  # two spawned ranks
 def test_a_deadline_blames_the_rank_that_did_not_finish():
-    with pytest.raises(WorkerError, match="rank 1: no result after 4 s"):
+    # The deadline counts from each rank's joining the group: spawning the
+    # ranks and importing torch (3.1 s at load 3.5 on 2 cores, when it was
+    # counted) are not part of it, so 4 s holds on a loaded machine too.
+    with pytest.raises(
+        WorkerError, match="rank 1: no result 4 s after joining the group"
+    ):
         spawn_workers(_stuck_on_rank_1, 2, timeout_s=120, deadline_s=4)
+
+
+class _Started:
+    """What ``_collect`` asks of a worker process."""
+
+    exitcode = None
+
+    def join(self, timeout=None):
+        pass
+
+
+def test_the_deadline_counts_from_the_ranks_ready_message():
+    # No processes: two pipes stand for two ranks. Both say "ready" only
+    # after 3 deadlines have passed (a slow start: spawning, importing
+    # torch), rank 0 then answers at once and rank 1 never: rank 1 alone is
+    # blamed, and only a deadline after its "ready". Each wait here is a
+    # lower bound, so a loaded machine cannot make it fail.
+    import multiprocessing
+    import pickle
+    import threading
+    import time
+
+    from vllm.distributed.launcher import _collect
+
+    deadline_s = 0.3
+    pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+    sent: dict[str, float] = {}
+
+    def ranks():
+        time.sleep(3 * deadline_s)
+        sent["ready"] = time.monotonic()  # before: the parent reads it after
+        for _, send in pipes:
+            send.send_bytes(pickle.dumps(("ready", None)))
+        pipes[0][1].send_bytes(pickle.dumps(("ok", "done")))
+
+    thread = threading.Thread(target=ranks, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    with pytest.raises(WorkerError, match="rank 1: no result 0.3 s after joining"):
+        _collect([_Started(), _Started()], [recv for recv, _ in pipes], deadline_s)
+    thread.join()
+    assert time.monotonic() - sent["ready"] >= deadline_s
+    assert sent["ready"] - start >= 3 * deadline_s  # longer than the deadline
+    for recv, send in pipes:
+        recv.close()
+        send.close()
 
 
 # --- without processes: ownership on every rank, the reader with EP ---------

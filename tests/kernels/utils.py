@@ -3,6 +3,8 @@
 """Helpers shared by the kernel tests: devices, random bit patterns, byte views,
 and the torch reference MoE."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -79,6 +81,7 @@ def torch_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     activation: str = "silu",
+    quant_inputs: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reference MoE experts: BF16 operands, fp32 accumulation, BF16 result.
 
@@ -88,7 +91,12 @@ def torch_experts(
     intermediate in BF16), ``@ w2[e].T`` in fp32, the weighted top-k sum in
     fp32, cast to ``x.dtype``. ``activation`` by value ("silu",
     "gelu_tanh", "relu2"; an ``MoEActivation`` too). ValueError on shapes
-    that do not fit together."""
+    that do not fit together.
+
+    ``quant_inputs(a, expert, gemm)``: what each GEMM (1 or 2) of
+    ``expert`` multiplies instead of its BF16 input ``a`` (a producer's
+    activation quantization, e.g. NVFP4 at static per-expert scales: its
+    W4A4 function); the rest as above."""
     name = getattr(activation, "value", activation)
     gated = name not in ("relu2", "relu2_no_mul")
     t, h = x.shape
@@ -111,8 +119,14 @@ def torch_experts(
     for e in ids.unique().tolist():
         sel = ids == e
         tok = tokens[sel]
-        mid = _activation(name, x[tok].float() @ w1[e].float().t())
-        mid = mid.to(x.dtype).float()
+        xe = x[tok]
+        if quant_inputs is not None:
+            xe = quant_inputs(xe, e, 1)
+        mid = _activation(name, xe.float() @ w1[e].float().t())
+        mid = mid.to(x.dtype)
+        if quant_inputs is not None:
+            mid = quant_inputs(mid, e, 2)
+        mid = mid.float()
         out.index_add_(0, tok, (mid @ w2[e].float().t()) * weights[sel].unsqueeze(1))
     return out.to(x.dtype)
 
@@ -125,7 +139,8 @@ def torch_moe(
     topk: int,
     renormalize: bool,
     activation: str = "silu",
+    quant_inputs: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Route with :func:`torch_topk`, then run :func:`torch_experts`."""
     weights, ids = torch_topk(logits, topk, renormalize)
-    return torch_experts(x, w1, w2, weights, ids, activation)
+    return torch_experts(x, w1, w2, weights, ids, activation, quant_inputs)

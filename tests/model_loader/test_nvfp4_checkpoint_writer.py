@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from vllm.model_executor.model_loader import nvfp4_checkpoint_writer as writer
 from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
@@ -122,8 +123,9 @@ def test_files_get_the_umask_modes(tmp_path, umask):
 
 def _last_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"{PROG}: error:"), err
-    return err[-1]
+    assert len(err) == 2 and err[0].startswith(f"{PROG}: error:"), err
+    assert err[1] == f"Try '{PROG} --help' for more information.", err
+    return err[0]
 
 
 def test_cli_refuses_a_non_empty_directory_unless_overwrite(tmp_path, capsys):
@@ -140,6 +142,15 @@ def test_cli_refuses_a_non_empty_directory_unless_overwrite(tmp_path, capsys):
     assert NVFP4MoECheckpoint(out).format == MODELOPT
     main([*args, "--format", "compressed-tensors", "--overwrite"])
     assert NVFP4MoECheckpoint(out).format == COMPRESSED_TENSORS
+
+
+def test_cli_takes_no_abbreviations(tmp_path, capsys):
+    # "--num-layer 1" was taken for --num-layers (argparse's abbreviations).
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path / "ckpt"), "--num-layer", "1"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --num-layer 1" in _last_error_line(capsys)
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_cli_sizes_beyond_the_memory_are_refused_before_allocating(tmp_path, capsys):
@@ -168,7 +179,8 @@ def test_cli_under_an_address_space_limit_is_a_one_line_error(tmp_path):
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"{PROG}: error: --num-layers 4, --num-experts 2000")
+    assert len(lines) == 2, lines  # the error and the --help hint
+    assert lines[0].startswith(f"{PROG}: error: --num-layers 4, --num-experts 2000")
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "ckpt").exists()
 
@@ -188,3 +200,80 @@ def test_available_memory_is_bounded_by_the_address_space_limit():
     free, limited = json.loads(out)
     assert free > 0
     assert limited <= 1 << 30 and limited > (1 << 30) - (64 << 20)
+
+
+# --- speed: experts quantized a few at a time, on one thread -----------------------
+
+
+def _bytes(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared_w13"])
+@pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
+def test_experts_quantized_together_are_each_expert_quantized_alone(
+    tmp_path, monkeypatch, fmt, shared
+):
+    # The writer quantizes several experts per call (one global scale each);
+    # the checkpoint must hold the bytes of quantizing every expert alone,
+    # whatever the number per call: 1, 3 of 4 (a short last call), all.
+    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+        nvfp4_global_scale,
+        quantize_nvfp4,
+    )
+
+    written = {}
+    for per_call in (1, 3, 4):
+        monkeypatch.setattr(writer, "_WEIGHTS_PER_CALL", per_call * 2 * I * H)
+        path = _write(tmp_path / f"c{per_call}", fmt, shared_w13_global_scale=shared)
+        written[per_call] = _tensors(path)
+    assert written[1].keys() == written[3].keys() == written[4].keys()
+    for name in written[1]:
+        for per_call in (3, 4):
+            a, b = written[1][name], written[per_call][name]
+            assert torch.equal(_bytes(a), _bytes(b)), name
+    w13, w2 = random_bf16_experts(E, H, I, True, seed=1)  # layer 1
+    weight = "weight" if fmt == MODELOPT else "weight_packed"
+    for ex in (0, E - 1):
+        projs = {"gate_proj": w13[ex, :I], "up_proj": w13[ex, I:], "down_proj": w2[ex]}
+        for proj, w in projs.items():
+            amax = w13[ex] if shared and proj != "down_proj" else w
+            packed, scale = quantize_nvfp4(
+                w, nvfp4_global_scale(amax.float().abs().amax())
+            )
+            base = f"model.layers.1.mlp.experts.{ex}.{proj}"
+            assert torch.equal(written[3][f"{base}.{weight}"], packed)
+            got = written[3][f"{base}.weight_scale"].view(torch.uint8)
+            assert torch.equal(got, scale.view(torch.uint8))
+
+
+def test_the_writer_quantizes_on_one_thread_and_restores_the_setting(
+    tmp_path, monkeypatch
+):
+    # Element-wise work on small tensors: with the other core of a 2-core
+    # machine busy, one expert took 559 ms on two threads and 9.5 ms on one.
+    seen = []
+    real = writer.quantize_nvfp4
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "quantize_nvfp4", recording)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _write(tmp_path / "ckpt")
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(previous)

@@ -4,6 +4,7 @@
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -274,6 +275,48 @@ def test_bad_checkpoints_raise_clear_errors(tmp_path, case):
         NVFP4MoECheckpoint(tmp_path).load_layer(layer, 0)
 
 
+def _last_shard_damaged(path, how):
+    last = sorted(path.glob("*.safetensors"))[-1]
+    data = last.read_bytes()
+    if how == "truncated":
+        last.write_bytes(data[: len(data) // 2])
+    else:  # the header's JSON overwritten, its length kept
+        last.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
+    return last
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt header"])
+def test_a_damaged_later_shard_is_refused_when_the_checkpoint_opens(tmp_path, how):
+    # Layer 1 lives in the last shard only: the first layer's tensors and
+    # the geometry check read the first shards alone. Every shard's header
+    # is read up front, so the checkpoint is refused before any layer (a
+    # corrupt second shard failed a run only after two layers, 12 s in).
+    write_ckpt(tmp_path, max_shard_bytes=64 << 10)
+    wm = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(wm["weight_map"].values()))
+    assert len(shards) > 2
+    first_layer = {f for n, f in wm["weight_map"].items() if ".layers.0." in n}
+    assert shards[-1] not in first_layer
+    # Control: whole, the checkpoint opens and loads its first layer.
+    NVFP4MoECheckpoint(tmp_path).load_layer(make_layer(), 0)
+    last = _last_shard_damaged(tmp_path, how)
+    with pytest.raises(ValueError, match=re.escape(f"{last}: not a readable")):
+        NVFP4MoECheckpoint(tmp_path)
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_refused(tmp_path):
+    write_ckpt(tmp_path, max_shard_bytes=64 << 10)
+    index = tmp_path / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    shards = sorted(set(data["weight_map"].values()))
+    name = "model.layers.1.mlp.experts.7.down_proj.weight"
+    other = next(f for f in shards if f != data["weight_map"][name])
+    data["weight_map"][name] = other
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=re.escape(f"{name} should be in {other}")):
+        NVFP4MoECheckpoint(tmp_path)
+
+
 def test_wrong_shape_and_dtype_in_file(tmp_path):
     write_ckpt(tmp_path / "small", h=128)  # H = 128 in the file, 256 in the layer
     with pytest.raises(
@@ -494,9 +537,10 @@ def test_untrusted_checkpoint_directory_is_refused(tmp_path, case):
     write_ckpt(ckpt, max_shard_bytes=1 << 30)  # one shard
     mutate(ckpt)
     # A FIFO must be refused at once, never opened (which would block): the
-    # alarm turns a hang into a failure.
+    # alarm turns a hang into a failure (generous: the layer is built inside
+    # it, seconds on a loaded machine).
     old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("reader hung"))
-    signal.alarm(20)
+    signal.alarm(120)
     try:
         with (
             measure_peak_memory("cpu") as mem,
@@ -609,8 +653,13 @@ def test_unreadable_second_file_leaves_the_layer_torn_not_mixed(tmp_path, prepar
         layer.quant_method.process_weights_after_loading(layer)
     good = (tmp_path / last).read_bytes()
     (tmp_path / last).write_bytes(good[: len(good) // 2])
+    # Opened anew, the checkpoint is refused before any layer (every
+    # shard's header is read); opened while it was whole, as here, the
+    # damage is met in the middle of the load.
     with pytest.raises(ValueError, match=last):
-        NVFP4MoECheckpoint(tmp_path).load_layer(layer, 0)
+        NVFP4MoECheckpoint(tmp_path)
+    with pytest.raises(ValueError, match=last):
+        ckpt.load_layer(layer, 0)
     with pytest.raises(RuntimeError, match="torn"):
         layer.quant_method.process_weights_after_loading(layer)
     x = torch.randn(3, H, dtype=torch.bfloat16)

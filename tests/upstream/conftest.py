@@ -15,7 +15,9 @@ imported then.
 
 Fixtures: the CPU stand-ins (cpu_stand_ins.py) each undone after the test,
 a one-rank vLLM context, the runner of snippets against unmodified 0.33.0,
-and ``upstream_measurements``, printed at the end of the run.
+unmodified 0.33.0's preparation reports (one subprocess per session for
+the small shape, one for the Qwen3.6 layer), and ``upstream_measurements``,
+printed at the end of the run.
 """
 
 from __future__ import annotations
@@ -45,8 +47,7 @@ def pytest_collection_modifyitems(
     if problem is None:
         return
     skip = pytest.mark.skip(
-        reason=f"needs vLLM 0.33.0 from site-packages: {problem}; run "
-        f"{UPSTREAM_COMMAND}"
+        reason=f"needs an installed vLLM 0.33.0: {problem}; run {UPSTREAM_COMMAND}"
     )
     for item in items:
         if item.path.is_relative_to(_HERE):
@@ -130,3 +131,54 @@ def unmodified_upstream() -> Callable[..., Any]:
     if problem := unmodified_tree_problem():
         pytest.skip(problem)
     return run_unmodified_json
+
+
+# Unmodified 0.33.0's preparation of the small layer, both formats: gate/up
+# global scales equal and differing (UP_GATE_RATIO), with the function the
+# prepared bytes encode.
+_SMALL_PREP = """\
+from upstream_layers import UP_GATE_RATIO, prep_reports_on_cpu
+cases = [("small", "modelopt"), ("small", "compressed-tensors")]
+result = {
+    "equal": prep_reports_on_cpu(cases, function=True),
+    "differing": prep_reports_on_cpu(
+        cases, function=True, up_gate_ratio=UP_GATE_RATIO
+    ),
+}
+"""
+
+# Unmodified 0.33.0 at the Qwen3.6-35B-A3B layer, both formats, measured.
+_QWEN36_PREP = """\
+from upstream_layers import prep_reports_on_cpu
+result = prep_reports_on_cpu(
+    [("qwen3.6-35b-a3b", "modelopt"), ("qwen3.6-35b-a3b", "compressed-tensors")],
+    measure=True,
+)
+"""
+
+
+def _by_format(reports: list[dict]) -> dict[str, dict]:
+    return {r["checkpoint_format"]: r for r in reports}
+
+
+@pytest.fixture(scope="session")
+def unmodified_small_reports() -> dict[str, dict[str, dict]]:
+    """Unmodified 0.33.0's reports (upstream_layers.prepare_and_report with
+    ``function=True``) for the small layer: ``[scales][format]``, scales
+    "equal" (gate and up share a global scale) or "differing"
+    (``UP_GATE_RATIO``). One subprocess for the session; skips without the
+    unmodified tree."""
+    if problem := unmodified_tree_problem():
+        pytest.skip(problem)
+    result = run_unmodified_json(_SMALL_PREP)
+    return {scales: _by_format(reports) for scales, reports in result.items()}
+
+
+@pytest.fixture(scope="session")
+def unmodified_qwen36_reports() -> dict[str, dict]:
+    """Unmodified 0.33.0's measured reports for the Qwen3.6-35B-A3B layer,
+    by checkpoint format (peak transient, digests of the prepared bytes).
+    One subprocess for the session; skips without the unmodified tree."""
+    if problem := unmodified_tree_problem():
+        pytest.skip(problem)
+    return _by_format(run_unmodified_json(_QWEN36_PREP))

@@ -95,9 +95,12 @@ def installed_vllm_problem() -> str | None:
     """Why this interpreter cannot run tests/upstream, or None if it can.
 
     It can when ``import vllm`` would load a vLLM 0.33.0 (or 0.33.0+label)
-    from this interpreter's site-packages, not this repository's slice, and
-    flashinfer-python 0.7.4 is installed. Looks only at import specs and
-    package metadata: imports neither package."""
+    installed by pip, not this repository's slice, and flashinfer-python
+    0.7.4 is installed. Installed by pip: in this interpreter's
+    site-packages, or in a directory of ``PYTHONPATH`` that ``pip install
+    --target`` wrote (its dist-info there has pip's ``INSTALLER`` file; an
+    unpacked wheel such as ``build/fork/upstream`` has none). Looks only at
+    import specs and package metadata: imports neither package."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError) as e:
@@ -110,12 +113,16 @@ def installed_vllm_problem() -> str | None:
             f"`import vllm` loads this repository's slice ({location}), not an "
             "installed vLLM 0.33.0"
         )
-    if not any(_is_within(location, site) for site in _site_dirs()):
-        return f"`import vllm` loads {location}, which is not in site-packages"
     try:
         dist = importlib.metadata.distribution("vllm")
     except importlib.metadata.PackageNotFoundError:
         return f"vllm at {location} has no installed distribution metadata"
+    in_site = any(_is_within(location, site) for site in _site_dirs())
+    if not in_site and not dist.read_text("INSTALLER"):
+        return (
+            f"`import vllm` loads {location}, which is neither in site-packages "
+            "nor installed there by `pip install --target`"
+        )
     if Path(dist.locate_file("vllm")).resolve() != location:
         return (
             f"the installed vllm distribution ({dist.version}) is not the one "
@@ -190,9 +197,11 @@ def run_python_json(
     vllm it imported, or None).
 
     ``sys.path`` of the child: ``pythonpath`` first, then this directory
-    (tests/upstream, so the snippet can import the helpers here), then the
-    interpreter's own; never the repository root, whose ``vllm/`` would
-    shadow the installed one. The child runs in a temporary directory.
+    (tests/upstream, so the snippet can import the helpers here), then this
+    process's own ``PYTHONPATH`` (a ``pip install --target`` directory
+    holding the installed vllm), then the interpreter's own; never the
+    repository root, whose ``vllm/`` would shadow the installed one. The
+    child runs in a temporary directory.
     Raises :class:`SnippetError` if it exits non-zero or writes no result.
     """
     with tempfile.TemporaryDirectory(prefix="upstream-snippet-") as tmp:
@@ -200,7 +209,10 @@ def run_python_json(
         script.write_text(snippet)
         wrapper.write_text(_WRAPPER)
         child_env = {**os.environ, **(env or {})}
-        child_env["PYTHONPATH"] = os.pathsep.join(str(p) for p in (*pythonpath, HERE))
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            str(p) for p in (*pythonpath, HERE, *inherited)
+        )
         proc = subprocess.run(
             [sys.executable, str(wrapper), str(script), str(out)],
             cwd=tmp,
@@ -251,17 +263,25 @@ def _vllm_imports(path: Path) -> list[str]:
 
 def load_slice_module(relpath: str) -> ModuleType:
     """Load one file of this repository's slice, e.g.
-    ``"vllm/utils/mem_utils.py"``, as a module named ``_slice_<path>``
-    (``_slice_vllm_utils_mem_utils``), without putting the repository on
-    ``sys.path``: the installed vllm stays what ``import vllm`` loads.
+    ``"vllm/utils/mem_utils.py"``, or of its test helpers outside this
+    directory (``"tests/kernels/utils.py"``: the reference MoE), as a module
+    named ``_slice_<path>`` (``_slice_vllm_utils_mem_utils``), without
+    putting the repository on ``sys.path``: the installed vllm stays what
+    ``import vllm`` loads.
 
     Only for files that import nothing from vllm (pure torch and the
     standard library): a ``vllm`` import would bind the installed package's
     module, mixing the two, so such a file is refused with ValueError.
     Loaded once per process; later calls return the same module."""
     path = (REPO_ROOT / relpath).resolve()
-    if not _is_within(path, SLICE_VLLM) or path.suffix != ".py":
-        raise ValueError(f"{relpath!r} is not a .py file of this repository's vllm/")
+    in_tree = _is_within(path, SLICE_VLLM) or (
+        _is_within(path, REPO_ROOT / "tests") and not _is_within(path, HERE)
+    )
+    if not in_tree or path.suffix != ".py":
+        raise ValueError(
+            f"{relpath!r} is not a .py file of this repository's vllm/ or tests/ "
+            "(outside tests/upstream)"
+        )
     name = "_slice_" + re.sub(r"\W", "_", str(path.relative_to(REPO_ROOT))[:-3])
     if name in sys.modules:
         return sys.modules[name]

@@ -46,8 +46,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import hashlib
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -62,16 +64,32 @@ __all__ = [
     "E4M3_RELATIVE_ROUNDING",
     "MOE_SHAPES",
     "QWEN36_35B_A3B",
+    "REL_RMS_TOLERANCE",
     "SMALL",
+    "UP_GATE_RATIO",
+    "W4A16_CONFIGS",
     "MoEShape",
     "SyntheticNvfp4Experts",
+    "checkpoint_dequantized_experts",
+    "checkpoint_global_scales",
+    "checkpoint_format_of",
+    "checkpoint_params",
+    "emulated_apply",
+    "function_errors",
     "load_synthetic_experts",
     "make_nvfp4_moe_layer",
+    "moe_inputs",
     "nvfp4_quant_config",
     "one_rank_vllm",
     "prep_reports_on_cpu",
     "prepare_and_report",
+    "prepare_layer",
     "prepared_b12x_report",
+    "prepared_dequantized_experts",
+    "prepared_function_errors",
+    "prepared_kernel_alphas",
+    "reference_moe",
+    "rel_rms",
     "synthetic_nvfp4_experts",
 ]
 
@@ -97,6 +115,16 @@ SMALL = MoEShape("small", 8, 256, 128, 2)
 QWEN36_35B_A3B = MoEShape("qwen3.6-35b-a3b", 256, 2048, 512, 8)
 MOE_SHAPES = {s.name: s for s in (SMALL, QWEN36_35B_A3B)}
 
+#: up's global scale / gate's, per expert, log-uniform in this range, for the
+#: checkpoints whose gate and up global scales differ (upstream's methods
+#: warn and use gate's for both).
+UP_GATE_RATIO = (0.5, 2.0)
+
+#: Relative RMS error of an NVFP4 layer's function against the BF16
+#: reference on its dequantized weights (the reference rounds the weights to
+#: BF16, 2^-9 relative; both round the intermediate to BF16).
+REL_RMS_TOLERANCE = 0.01
+
 #: The two NVFP4 checkpoint formats whose MoE methods reach FLASHINFER_B12X.
 CHECKPOINT_FORMATS = ("modelopt", "compressed-tensors")
 
@@ -108,7 +136,21 @@ E4M3_RELATIVE_ROUNDING = 2.0**-4
 
 _NVFP4_UTILS = "vllm/model_executor/layers/quantization/utils/nvfp4_utils.py"
 _MEM_UTILS = "vllm/utils/mem_utils.py"
+_KERNEL_TEST_UTILS = "tests/kernels/utils.py"
 _E2M1_MAX, _E4M3_MAX = 6.0, torch.finfo(torch.float8_e4m3fn).max
+
+
+#: Weight-only (W4A16) NVFP4 checkpoint configurations: ModelOpt's
+#: W4A16_NVFP4, ModelOpt's MIXED_PRECISION naming the experts W4A16_NVFP4
+#: (as NVIDIA's Qwen3.6 NVFP4 release does), compressed-tensors' NVFP4A16.
+W4A16_CONFIGS = ("modelopt-w4a16", "modelopt-mixed-w4a16", "compressed-tensors-w4a16")
+
+
+def checkpoint_format_of(config: str) -> str:
+    """The tensor names' format of a config name (``nvfp4_quant_config``)."""
+    return (
+        "compressed-tensors" if config.startswith("compressed-tensors") else "modelopt"
+    )
 
 
 def nvfp4_quant_config(checkpoint_format: str) -> Any:
@@ -124,10 +166,35 @@ def nvfp4_quant_config(checkpoint_format: str) -> Any:
         return ModelOptNvFp4Config(
             quant_method="NVFP4", is_checkpoint_nvfp4_serialized=True, group_size=16
         )
-    if checkpoint_format == "compressed-tensors":
+    if checkpoint_format == "modelopt-w4a16":
+        from vllm.model_executor.layers.quantization.modelopt import (
+            ModelOptNvFp4Config,
+        )
+
+        quantization = {
+            "quant_algo": "W4A16_NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": [],
+        }
+        return ModelOptNvFp4Config.from_config({"quantization": quantization})
+    if checkpoint_format == "modelopt-mixed-w4a16":
+        from vllm.model_executor.layers.quantization.modelopt import (
+            ModelOptMixedPrecisionConfig,
+        )
+
+        experts = {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+        quantization = {
+            "quant_algo": "MIXED_PRECISION",
+            "quantized_layers": {"model.layers.0.mlp.experts": experts},
+        }
+        return ModelOptMixedPrecisionConfig.from_config({"quantization": quantization})
+    if checkpoint_format.startswith("compressed-tensors"):
         from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E501
             CompressedTensorsConfig,
         )
+
+        weight_only = checkpoint_format == "compressed-tensors-w4a16"
 
         fp4 = {
             "num_bits": 4,
@@ -146,7 +213,9 @@ def nvfp4_quant_config(checkpoint_format: str) -> Any:
                     "group_0": {
                         "targets": ["Linear"],
                         "weights": fp4,
-                        "input_activations": {**fp4, "dynamic": "local"},
+                        "input_activations": (
+                            None if weight_only else {**fp4, "dynamic": "local"}
+                        ),
                         "format": "nvfp4-pack-quantized",
                     }
                 },
@@ -247,8 +316,9 @@ class SyntheticNvfp4Experts:
     * ``w13`` uint8 [E, 2I, H/2], two E2M1 codes per byte; rows [0, I) are
       w1 (gate_proj), rows [I, 2I) w3 (up_proj)
     * ``w13_scale`` float8_e4m3fn [E, 2I, H/16], linear (row-major) layout
-    * ``w13_scale_2`` float32 [E, 2] (gate's and up's: equal here, as
-      upstream's methods assume); ``w13_input_scale`` float32 [E, 2]
+    * ``w13_scale_2`` float32 [E, 2] (gate's and up's: equal, as upstream's
+      methods assume, unless made with ``up_gate_ratio``);
+      ``w13_input_scale`` float32 [E, 2]
     * ``w2`` uint8 [E, H, I/2]; ``w2_scale`` float8_e4m3fn [E, H, I/16];
       ``w2_scale_2``, ``w2_input_scale`` float32 [E]
     """
@@ -275,17 +345,22 @@ def _block_scales(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return (_E4M3_MAX * frac).to(torch.float8_e4m3fn)
 
 
-def synthetic_nvfp4_experts(shape: MoEShape, seed: int = 0) -> SyntheticNvfp4Experts:
+def synthetic_nvfp4_experts(
+    shape: MoEShape, seed: int = 0, up_gate_ratio: tuple[float, float] | None = None
+) -> SyntheticNvfp4Experts:
     """Random NVFP4 experts of ``shape``: every byte value equally likely
     (all 16 E2M1 codes in both nibbles), E4M3 block scales in 89.6..448,
-    per-expert global scales log-uniform in 1e-3..1e-2 (gate and up equal),
-    input scales of activations whose amax is log-uniform in 4..64.
+    per-expert global scales log-uniform in 1e-3..1e-2, input scales of
+    activations whose amax is log-uniform in 4..64. Gate and up share one
+    global scale, or with ``up_gate_ratio=(lo, hi)`` up's is gate's times a
+    per-expert factor log-uniform in lo..hi (drawn after everything else, so
+    the other tensors are those of the same seed without it).
     Deterministic in ``seed``."""
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     gen = torch.Generator().manual_seed(seed)
     w13_scale_2 = _log_uniform(e, 1e-3, 1e-2, gen).float()
     act = _E2M1_MAX * _E4M3_MAX
-    return SyntheticNvfp4Experts(
+    experts = SyntheticNvfp4Experts(
         w13=torch.randint(0, 256, (e, 2 * i, h // 2), generator=gen, dtype=torch.uint8),
         w13_scale=_block_scales((e, 2 * i, h // 16), gen),
         w13_scale_2=w13_scale_2[:, None].repeat(1, 2),
@@ -297,9 +372,13 @@ def synthetic_nvfp4_experts(shape: MoEShape, seed: int = 0) -> SyntheticNvfp4Exp
         w2_scale_2=_log_uniform(e, 1e-3, 1e-2, gen).float(),
         w2_input_scale=_log_uniform(e, 4.0, 64.0, gen).float() / act,
     )
+    if up_gate_ratio is not None:
+        ratio = _log_uniform(e, *up_gate_ratio, gen).float()
+        experts.w13_scale_2[:, 1] *= ratio
+    return experts
 
 
-def _checkpoint_params(
+def checkpoint_params(
     experts: SyntheticNvfp4Experts, checkpoint_format: str
 ) -> dict[str, torch.Tensor]:
     if checkpoint_format == "modelopt":
@@ -337,10 +416,16 @@ def load_synthetic_experts(
     """Copy ``experts`` into the parameters ``create_weights`` made, under
     that format's names (ModelOpt: ``w13_weight``, ``*_weight_scale_2``,
     ``*_input_scale``; compressed-tensors: ``w13_weight_packed``,
-    ``*_weight_global_scale``, ``*_input_global_scale``, inverted). Raises
-    ValueError naming the parameter if a shape or dtype differs."""
+    ``*_weight_global_scale``, ``*_input_global_scale``, inverted); for a
+    W4A16 config (:data:`W4A16_CONFIGS`) its format's names without the
+    input scales, which such checkpoints lack. Raises ValueError naming the
+    parameter if a shape or dtype differs."""
     params = dict(layer.named_parameters())
-    for name, value in _checkpoint_params(experts, checkpoint_format).items():
+    weight_only = checkpoint_format in W4A16_CONFIGS
+    tensors = checkpoint_params(experts, checkpoint_format_of(checkpoint_format))
+    for name, value in tensors.items():
+        if weight_only and "input" in name:
+            continue  # a W4A16 checkpoint has no activation scales
         if name not in params:
             raise ValueError(f"layer has no parameter {name!r}: {sorted(params)}")
         param = params[name]
@@ -362,29 +447,120 @@ def _max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs() / expected).max().item()
 
 
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+def _per_row_alphas(alpha: torch.Tensor, i: int) -> torch.Tensor:
+    """The w13 global scale of every prepared row, [E, 2I, 1]: an [E] alpha
+    for all rows, or [E, 2] per shard in load order (w1, w3) for rows in the
+    prepared order [w3; w1]."""
+    a = alpha.detach().float()
+    if a.dim() == 1:
+        return a.reshape(-1, 1, 1).expand(-1, 2 * i, 1)
+    return a[:, [1, 0]].repeat_interleave(i, dim=1).unsqueeze(-1)
+
+
+def checkpoint_global_scales(
+    experts: SyntheticNvfp4Experts, checkpoint_format: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w13 [E, 2], w2 [E]) global scales in the dequantization direction as
+    vLLM reads them from that format's parameters (compressed-tensors: the
+    inverse of the stored inverse, computed in float32 as the methods do)."""
+    if checkpoint_format == "compressed-tensors":
+        return 1.0 / (1.0 / experts.w13_scale_2), 1.0 / (1.0 / experts.w2_scale_2)
+    return experts.w13_scale_2, experts.w2_scale_2
+
+
+def prepared_kernel_alphas(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w1_alpha, w2_alpha), each [E] float32: the weights' factors in what
+    the b12x kernel multiplies FC1's and FC2's outputs by. The fork's experts
+    bind the kernel's (``experts.prepared``, whose ``w2_alpha`` also carries
+    FC2's input scale, the activation's) from these
+    (``experts.weights.alphas``); unmodified 0.33.0 passes the quant config's
+    ``g1_alphas`` / ``g2_alphas`` (all 1 after its fold)."""
+    method = layer.quant_method
+    fused = method.moe_kernel.fused_experts
+    if getattr(fused, "prepared", None) is not None:
+        return fused.weights.alphas(layer)
+    quant = method.moe_quant_config
+    return quant.g1_alphas.reshape(-1), quant.g2_alphas.reshape(-1)
+
+
+def prepared_dequantized_experts(
+    layer: torch.nn.Module, shape: MoEShape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights the prepared layer makes the b12x W4A4 kernel compute
+    with, decoded from its bytes as the kernel reads them: (w13 float32
+    [E, 2I, H] in [gate; up] order, w2 float32 [E, H, I]). E2M1 codes x
+    the 128x4 block scales (unswizzled) x the kernel's per-expert alphas
+    (:func:`prepared_kernel_alphas`: one for both halves of w13)."""
+    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
+    a1, a2 = (
+        a.detach().float().reshape(e, 1, 1) for a in prepared_kernel_alphas(layer)
+    )
+    s13 = nvfp4.unswizzle_blockscale(layer.w13_weight_scale.data, 2 * i, h // 16)
+    s2 = nvfp4.unswizzle_blockscale(layer.w2_weight_scale.data, h, i // 16)
+    w13 = nvfp4.dequantize_nvfp4(layer.w13_weight.data, s13, 1.0) * a1
+    w2 = nvfp4.dequantize_nvfp4(layer.w2_weight.data, s2, 1.0) * a2
+    return _swap_halves(w13), w2  # [w3; w1] -> [w1; w3]
+
+
+def checkpoint_dequantized_experts(
+    experts: SyntheticNvfp4Experts,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checkpoint's weights, float32: (w13 [E, 2I, H] [gate; up], each
+    half times its own global scale; w2 [E, H, I])."""
+    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    i = experts.w13.shape[1] // 2
+    rows = experts.w13_scale_2.repeat_interleave(i, dim=1).unsqueeze(-1)  # [E, 2I, 1]
+    w13 = nvfp4.dequantize_nvfp4(experts.w13, experts.w13_scale, 1.0) * rows
+    w2 = nvfp4.dequantize_nvfp4(experts.w2, experts.w2_scale, 1.0)
+    return w13, w2 * experts.w2_scale_2.reshape(-1, 1, 1)
+
+
 def prepared_b12x_report(
-    layer: torch.nn.Module, experts: SyntheticNvfp4Experts
+    layer: torch.nn.Module,
+    experts: SyntheticNvfp4Experts,
+    checkpoint_format: str = "modelopt",
 ) -> dict[str, Any]:
     """What a FLASHINFER_B12X preparation left in ``layer``, compared with
-    the checkpoint ``experts`` it was loaded from; JSON-able.
+    the checkpoint ``experts`` it was loaded from; JSON-able. Works for the
+    fork (alpha or fold mode) and for unmodified 0.33.0 (fold, [E] alphas).
 
     * ``method``, ``backend``, ``experts_class``: the quant method's class,
-      its ``nvfp4_backend`` name, the modular kernel's experts class.
+      its ``nvfp4_backend`` name, the modular kernel's experts class;
+      ``global_scale_mode``: the experts' (None in unmodified 0.33.0).
     * ``w13_codes``: ``"w3_w1"`` if the FP4 bytes are [up; gate] exactly,
       ``"w1_w3"`` if still [gate; up], else ``"other"``;
       ``w2_codes_unchanged``.
+    * ``w13_scale_bytes``, ``w2_scale_bytes``: ``"checkpoint"`` if the
+      layer's block scales, unswizzled from the 128x4 layout, are the
+      checkpoint's FP8 bytes exactly (w13 in [w3; w1] order), else
+      ``"rewritten"`` (a fold re-rounds them).
     * ``w13_scale_rel_err``, ``w2_scale_rel_err``: the largest relative
-      error of the effective per-block weight scale (the layer's block scale,
-      unswizzled from the 128x4 layout, times the quant config's
-      ``g1_alphas`` / ``g2_alphas``) against the checkpoint's
-      (block scale x global scale; w13 in [w3; w1] order).
+      error of the effective per-block weight scale (the layer's block scale
+      unswizzled, times the quant config's ``g1_alphas`` / ``g2_alphas``:
+      [E], or [E, 2] per shard) against the checkpoint's (block scale x
+      global scale; w13 in [w3; w1] order).
     * negative controls, errors the same measure gives for wrong answers:
       ``w13_scale_rel_err_gate_up_swapped`` (the layer against [w1; w3]),
       ``w13_scale_rel_err_no_global_scale`` (the checkpoint's block scales
       alone, as if the global scale were dropped).
-    * ``fc2_input_scale_shape``, ``w1_sf_mma_shape``, ``w2_sf_mma_shape``,
+    * ``g1_alphas``, ``g2_alphas``: the quant config's values (flattened);
+      ``global_scales_as_loaded``: they are the checkpoint's global scales
+      ([E, 2] and [E], dequantization direction) exactly.
+    * ``w1_alpha``, ``w2_alpha``: the kernel's (:func:`prepared_kernel_alphas`);
+      ``kernel_alphas_exact``: w1_alpha = s_gate and w2_alpha = s_w2 * s_up /
+      s_gate, computed in float32, exactly.
+    * ``fc2_input_scale`` (the kernel's, dequantization direction),
+      ``w2_input_scale`` (the checkpoint's), ``w2_alpha_carries_fc2_input_scale``
+      (the kernel's w2_alpha is the weights' times it, exactly; None without
+      the fork's experts), ``w1_sf_mma_shape``, ``w2_sf_mma_shape``,
       ``sf_mma_views_alias_layer_scales`` (the experts' MMA-layout views
       share storage with the layer's block scales).
+    * ``digests``: sha256 of the bytes of the weights and block scales.
     * ``parameters``: name -> [shape, dtype] after preparation.
     """
     nvfp4 = load_slice_module(_NVFP4_UTILS)
@@ -403,17 +579,36 @@ def prepared_b12x_report(
     else:
         w13_codes = "other"
 
-    def effective(scale: torch.Tensor, rows: int, cols: int, alpha) -> torch.Tensor:
-        linear = nvfp4.unswizzle_blockscale(scale.data, rows, cols).float()
-        return linear * alpha.float().reshape(-1, 1, 1)
+    lin13 = nvfp4.unswizzle_blockscale(layer.w13_weight_scale.data, two_i, h // 16)
+    lin2 = nvfp4.unswizzle_blockscale(layer.w2_weight_scale.data, h, i // 16)
+
+    def same_bytes(a: torch.Tensor, b: torch.Tensor) -> str:
+        return (
+            "checkpoint"
+            if torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            else "rewritten"
+        )
 
     # The checkpoint's effective scales, in the order the kernel wants.
     ckpt13 = experts.w13_scale.float() * experts.w13_scale_2.repeat_interleave(
         i, dim=1
     ).unsqueeze(-1)
     ckpt2 = experts.w2_scale.float() * experts.w2_scale_2.reshape(-1, 1, 1)
-    eff13 = effective(layer.w13_weight_scale, two_i, h // 16, quant.g1_alphas)
-    eff2 = effective(layer.w2_weight_scale, h, i // 16, quant.g2_alphas)
+    eff13 = lin13.float() * _per_row_alphas(quant.g1_alphas, i)
+    eff2 = lin2.float() * quant.g2_alphas.detach().float().reshape(-1, 1, 1)
+
+    g13, g2 = checkpoint_global_scales(experts, checkpoint_format)
+    a1, a2 = prepared_kernel_alphas(layer)
+    s_gate, s_up = g13[:, 0], g13[:, 1]
+    alphas_exact = torch.equal(a1.float(), s_gate) and torch.equal(
+        a2.float(), g2 * (s_up / s_gate)
+    )
+    g1_vals = quant.g1_alphas.detach().float()
+    as_loaded = (
+        tuple(g1_vals.shape) == tuple(g13.shape)
+        and torch.equal(g1_vals, g13)
+        and torch.equal(quant.g2_alphas.detach().float().reshape(-1), g2)
+    )
 
     def storage(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.untyped_storage().data_ptr()
@@ -421,25 +616,49 @@ def prepared_b12x_report(
     w1_mma = getattr(fused, "w1_sf_mma", None)
     w2_mma = getattr(fused, "w2_sf_mma", None)
     fc2 = getattr(fused, "_fc2_input_scale", None)
+    prepared = getattr(fused, "prepared", None)
+    carries = None
+    if prepared is not None and fc2 is not None:
+        carries = torch.equal(prepared.w2_alpha, a2 * fc2)
     return {
         "method": type(method).__name__,
         "backend": method.nvfp4_backend.name,
         "experts_class": type(fused).__name__,
+        "global_scale_mode": getattr(fused, "global_scale_mode", None),
         "w13_codes": w13_codes,
         "w2_codes_unchanged": torch.equal(layer.w2_weight.data, experts.w2),
+        "w13_scale_bytes": same_bytes(lin13, _swap_halves(experts.w13_scale)),
+        "w2_scale_bytes": same_bytes(lin2, experts.w2_scale),
         "w13_scale_rel_err": _max_rel_err(eff13, _swap_halves(ckpt13)),
         "w2_scale_rel_err": _max_rel_err(eff2, ckpt2),
         "w13_scale_rel_err_gate_up_swapped": _max_rel_err(eff13, ckpt13),
         "w13_scale_rel_err_no_global_scale": _max_rel_err(
             experts.w13_scale.float(), ckpt13
         ),
-        "fc2_input_scale_shape": None if fc2 is None else list(fc2.shape),
+        "g1_alphas": g1_vals.reshape(-1).tolist(),
+        "g2_alphas": quant.g2_alphas.detach().float().reshape(-1).tolist(),
+        "global_scales_as_loaded": as_loaded,
+        "w1_alpha": a1.detach().float().tolist(),
+        "w2_alpha": a2.detach().float().tolist(),
+        "kernel_alphas_exact": alphas_exact,
+        "fc2_input_scale": None if fc2 is None else fc2.float().tolist(),
+        "w2_input_scale": experts.w2_input_scale.float().tolist(),
+        "w2_alpha_carries_fc2_input_scale": carries,
         "w1_sf_mma_shape": None if w1_mma is None else list(w1_mma.shape),
         "w2_sf_mma_shape": None if w2_mma is None else list(w2_mma.shape),
         "sf_mma_views_alias_layer_scales": (
             storage(w1_mma) == storage(layer.w13_weight_scale.data)
             and storage(w2_mma) == storage(layer.w2_weight_scale.data)
         ),
+        "digests": {
+            name: _digest(getattr(layer, name).data)
+            for name in (
+                "w13_weight",
+                "w13_weight_scale",
+                "w2_weight",
+                "w2_weight_scale",
+            )
+        },
         "parameters": {
             name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
             for name, p in layer.named_parameters()
@@ -448,29 +667,194 @@ def prepared_b12x_report(
     }
 
 
-def prepare_and_report(
-    shape: MoEShape, checkpoint_format: str, *, measure: bool = False, seed: int = 0
-) -> dict[str, Any]:
-    """Build the layer, load synthetic weights, run the quant method's
-    ``process_weights_after_loading`` and return
-    :func:`prepared_b12x_report` plus ``shape`` and ``checkpoint_format``.
-    With ``measure``, also the preparation's ``peak_bytes`` and
-    ``net_bytes``, by this repository's ``measure_peak_memory`` (torch's CPU
-    allocator accounting; loaded by path). Call inside :func:`one_rank_vllm`
-    with ``b12x_preparation_on_cpu`` active."""
-    layer = make_nvfp4_moe_layer(shape, checkpoint_format)
-    experts = synthetic_nvfp4_experts(shape, seed)
+def prepare_layer(
+    shape: MoEShape,
+    checkpoint_format: str,
+    *,
+    measure: bool = False,
+    seed: int = 0,
+    up_gate_ratio: tuple[float, float] | None = None,
+    prefix: str = "model.layers.0.mlp.experts",
+) -> tuple[torch.nn.Module, SyntheticNvfp4Experts, dict[str, Any]]:
+    """Build the layer, load synthetic weights (:func:`synthetic_nvfp4_experts`
+    with ``seed`` and ``up_gate_ratio``) and run the quant method's
+    ``process_weights_after_loading``. Returns (layer, the checkpoint, extra):
+    with ``measure``, extra has the preparation's ``peak_bytes`` and
+    ``net_bytes`` by this repository's ``measure_peak_memory`` (torch's CPU
+    allocator accounting; loaded by path) and its ``prep_seconds`` (wall
+    time of the call). ``prefix``: the layer's name (one config holds one
+    layer per name). Call inside :func:`one_rank_vllm` with
+    ``b12x_preparation_on_cpu`` active."""
+    layer = make_nvfp4_moe_layer(shape, checkpoint_format, prefix=prefix)
+    experts = synthetic_nvfp4_experts(shape, seed, up_gate_ratio)
     load_synthetic_experts(layer, experts, checkpoint_format)
     extra: dict[str, Any] = {}
     if measure:
         mem_utils = load_slice_module(_MEM_UTILS)
         gc.collect()
         with mem_utils.measure_peak_memory("cpu") as mem:
+            start = time.perf_counter()
             layer.quant_method.process_weights_after_loading(layer)
-        extra = {"peak_bytes": mem.peak_bytes, "net_bytes": mem.net_bytes}
+            seconds = time.perf_counter() - start
+        extra = {
+            "peak_bytes": mem.peak_bytes,
+            "net_bytes": mem.net_bytes,
+            "prep_seconds": seconds,
+        }
     else:
         layer.quant_method.process_weights_after_loading(layer)
-    report = prepared_b12x_report(layer, experts)
+    return layer, experts, extra
+
+
+def moe_inputs(
+    shape: MoEShape, tokens: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states bfloat16 [T, H], top-k weights float32 [T, K], top-k
+    ids int32 [T, K]): random activations and softmax routing, renormalized
+    (``tests/kernels/utils.torch_topk``)."""
+    ref = load_slice_module(_KERNEL_TEST_UTILS)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, shape.hidden_size, generator=gen).bfloat16()
+    logits = torch.randn(tokens, shape.num_experts, generator=gen)
+    weights, ids = ref.torch_topk(logits, shape.top_k, renormalize=True)
+    return x, weights, ids
+
+
+def reference_moe(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The BF16 reference MoE (``tests/kernels/utils.torch_experts``) on
+    weights ``w13`` [E, 2I, H] ([gate; up]) and ``w2`` [E, H, I], cast to
+    bfloat16 first."""
+    ref = load_slice_module(_KERNEL_TEST_UTILS)
+    return ref.torch_experts(
+        x, w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids, activation
+    )
+
+
+def rel_rms(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over all elements, in float32."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def prepared_function_errors(
+    layer: torch.nn.Module,
+    experts: SyntheticNvfp4Experts,
+    shape: MoEShape,
+    tokens: int = 64,
+    seed: int = 1,
+) -> dict[str, float]:
+    """The MoE function the prepared bytes encode, against the checkpoint's:
+    the BF16 reference on :func:`prepared_dequantized_experts` vs on
+    :func:`checkpoint_dequantized_experts`, relative RMS (``rel_rms``), and
+    the negative control ``rel_rms_gate_up_swapped`` (the checkpoint's gate
+    and up halves exchanged in the reference)."""
+    x, weights, ids = moe_inputs(shape, tokens, seed)
+    ref13, ref2 = checkpoint_dequantized_experts(experts)
+    got13, got2 = prepared_dequantized_experts(layer, shape)
+    ref = reference_moe(ref13, ref2, x, weights, ids)
+    return {
+        "rel_rms": rel_rms(reference_moe(got13, got2, x, weights, ids), ref),
+        "rel_rms_gate_up_swapped": rel_rms(
+            reference_moe(_swap_halves(ref13), ref2, x, weights, ids), ref
+        ),
+    }
+
+
+def emulated_apply(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    bind: bool = True,
+) -> torch.Tensor:
+    """The prepared ``layer`` computed by the fork's emulated experts, built
+    from the quant method's configs and bound to the layer (its preparation
+    is done: ``process_weights_after_loading`` only binds the views).
+    ``bind=False``: apply on experts that were never bound (they must
+    refuse). Fork only: unmodified 0.33.0 has no emulated experts."""
+    from vllm.model_executor.layers.fused_moe.experts import (
+        flashinfer_b12x_emulated,
+    )
+
+    method = layer.quant_method
+    emulated = flashinfer_b12x_emulated.FlashInferB12xEmulatedExperts(
+        method.moe, method.moe_quant_config, weights_only=True
+    )
+    if bind:
+        emulated.process_weights_after_loading(layer)
+    out = torch.empty_like(x)
+    emulated.apply(
+        out,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        topk_weights,
+        topk_ids,
+        method.moe.activation,
+        method.moe.num_experts,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
+    return out
+
+
+def function_errors(
+    layer: torch.nn.Module,
+    experts: SyntheticNvfp4Experts,
+    shape: MoEShape,
+    tokens: int = 64,
+    seed: int = 1,
+) -> dict[str, float]:
+    """The fork's emulated experts on the prepared layer
+    (:func:`emulated_apply`) vs the checkpoint's BF16 reference, relative
+    RMS (``rel_rms``), and the control ``rel_rms_gate_up_swapped`` (the
+    reference with gate and up exchanged). Fork only."""
+    x, weights, ids = moe_inputs(shape, tokens, seed)
+    w13, w2 = checkpoint_dequantized_experts(experts)
+    out = emulated_apply(layer, x, weights, ids)
+    return {
+        "rel_rms": rel_rms(out, reference_moe(w13, w2, x, weights, ids)),
+        "rel_rms_gate_up_swapped": rel_rms(
+            out, reference_moe(_swap_halves(w13), w2, x, weights, ids)
+        ),
+    }
+
+
+def prepare_and_report(
+    shape: MoEShape,
+    checkpoint_format: str,
+    *,
+    measure: bool = False,
+    seed: int = 0,
+    up_gate_ratio: tuple[float, float] | None = None,
+    function: bool = False,
+) -> dict[str, Any]:
+    """:func:`prepare_layer`, then :func:`prepared_b12x_report` plus
+    ``shape``, ``checkpoint_format`` and what ``measure`` measured; with
+    ``function``, :func:`prepared_function_errors` as ``function``."""
+    layer, experts, extra = prepare_layer(
+        shape,
+        checkpoint_format,
+        measure=measure,
+        seed=seed,
+        up_gate_ratio=up_gate_ratio,
+    )
+    report = prepared_b12x_report(layer, experts, checkpoint_format)
+    if function:
+        extra["function"] = prepared_function_errors(layer, experts, shape)
     return {
         "shape": dataclasses.asdict(shape),
         "checkpoint_format": checkpoint_format,
@@ -480,11 +864,12 @@ def prepare_and_report(
 
 
 def prep_reports_on_cpu(
-    cases: list[tuple[str, str]], *, measure: bool = False
+    cases: list[tuple[str, str]], **options: Any
 ) -> list[dict[str, Any]]:
-    """:func:`prepare_and_report` for each (shape name, checkpoint format),
-    one layer alive at a time, each in a one-rank vLLM of its own, inside the
-    stand-ins: the entry point of a snippet run in a subprocess."""
+    """:func:`prepare_and_report` (with ``options``) for each (shape name,
+    checkpoint format), one layer alive at a time, each in a one-rank vLLM
+    of its own, inside the stand-ins: the entry point of a snippet run in a
+    subprocess."""
     reports = []
     with b12x_preparation_on_cpu():
         for shape_name, checkpoint_format in cases:
@@ -492,8 +877,6 @@ def prep_reports_on_cpu(
             # keeps every layer built under it (by name) alive.
             with one_rank_vllm("flashinfer_b12x"):
                 shape = MOE_SHAPES[shape_name]
-                reports.append(
-                    prepare_and_report(shape, checkpoint_format, measure=measure)
-                )
+                reports.append(prepare_and_report(shape, checkpoint_format, **options))
             gc.collect()
     return reports

@@ -59,6 +59,13 @@ def checkpoint_source(
         activation=ckpt.activation,
     )
     shard.check(preset)  # validates --tp
+    # The layers carry the checkpoint's routing where FusedMoE can compute it
+    # (the preparation does not depend on it: a router it cannot compute,
+    # DeepSeek-V3's say, leaves the default).
+    try:
+        routing = {"renormalize": ckpt.routing.renormalize}
+    except ValueError:
+        routing = {}
 
     def layer_tensors(i: int) -> dict[str, torch.Tensor]:
         layer = FusedMoE(
@@ -67,7 +74,7 @@ def checkpoint_source(
             intermediate_size=preset.intermediate_size,
             activation=preset.activation, quant_config=ckpt.quant_config(layers[i]),
             moe_backend="flashinfer_b12x_emulated", device=device,
-            **shard.layer_kwargs(), place_w3w1_at_load=False,
+            **shard.layer_kwargs(), **routing, place_w3w1_at_load=False,
         )  # fmt: skip
         # No bar per tensor: the job's bar counts layers already.
         ckpt.load_layer(layer, layers[i])

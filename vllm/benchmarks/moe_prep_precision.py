@@ -162,13 +162,15 @@ def _prepared_rows(
     weight by weight with the checkpoint's."""
     moe = layer.moe_config
     experts = layer.quant_method.experts
-    kernel = experts.prepared
+    # The weights' own factors: the kernel's w2_alpha also carries FC2's
+    # input scale, which belongs to the activation.
+    w1_alpha, w2_alpha = experts.weights.alphas(layer)
     ratio = _up_gate_ratio(layer, e)
     if prefix == "w13":
-        packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, kernel.w1_alpha
+        packed, mma, alpha = layer.w13_weight, experts.w1_sf_mma, w1_alpha
         m = w13_rows(moe)
     else:
-        packed, mma, alpha = layer.w2_weight, experts.w2_sf_mma, kernel.w2_alpha
+        packed, mma, alpha = layer.w2_weight, experts.w2_sf_mma, w2_alpha
         m = moe.hidden_dim
     r0, r1 = t0 * TILE_ROWS, min(t1 * TILE_ROWS, m)
     # The view's m_tile and k_tile axes sliced to these rows and columns

@@ -133,12 +133,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default="alpha",
         choices=["alpha", "fold"],
         help="how per-expert global scales reach the kernel: 'alpha' (default) "
-        "keeps them as the kernel's alphas and the prepared weights decode to "
-        "the checkpoint's exactly when gate and up share their global scale (as "
-        "ModelOpt exports them; where they differ the ratio is folded into one "
-        "half, about 3%% relative RMS); 'fold' multiplies them into the FP8 "
-        "block scales (upstream's contract; 5-70%% at real weight magnitudes). "
-        "The report prints each mode's measured error",
+        "keeps them as the kernel's alphas and rewrites no block scale: the "
+        "prepared weights are the checkpoint's exactly, and where gate and up "
+        "have different global scales the ratio rides on the FC2 alpha; 'fold' "
+        "multiplies them into the FP8 block scales (upstream's contract; "
+        "5-70%% at real weight magnitudes). The report prints each mode's "
+        "measured error",
     )
     parser.add_argument(
         "--precision",
@@ -171,8 +171,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--enable-expert-parallel",
         "-ep",
         action="store_true",
-        help="with --tp N: shard the experts over the N ranks instead of I "
-        "(N divides the number of experts)",
+        help="with --tp N (N > 1; refused without): shard the experts over "
+        "the N ranks instead of I (N divides the number of experts)",
     )
     parser.add_argument(
         "--num-layers",
@@ -283,6 +283,13 @@ def main(args: argparse.Namespace) -> int:
             f"{MIN_CLI_MAX_TRANSIENT >> 10}KiB: every step would move a few bytes "
             "per torch call and one layer could take hours; use at least 64KiB "
             "(default 64MiB)"
+        )
+    if args.enable_expert_parallel and args.tp == 1:
+        # Accepted silently before: one rank owns every expert, so the run
+        # had no expert parallelism at all.
+        raise ValueError(
+            "--enable-expert-parallel (-ep) needs --tp N with N > 1: it shards "
+            "the experts over the N ranks (vLLM's spelling: -tp 2 -ep)"
         )
     plot_path = args.plot and check_output_path(args.plot, "--plot", plot=True)
     device = _device(args.device)

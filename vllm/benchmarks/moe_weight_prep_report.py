@@ -35,8 +35,14 @@ STEP_COLOURS = {
 }
 VARIANTS = ("legacy", "bounded")
 #: Phases of the job whose time the run records (``phase_times_s``).
+#: "timed" is the step table's time (its totals, legacy plus bounded);
+#: "copy_in" what each timed preparation needs first and the table leaves
+#: out: the legacy run's clone of the layer, the bounded run's new FusedMoE
+#: with the layer copied into its parameters.
 JOB_PHASES = {
-    "timed": "preparing (the timed runs, legacy and bounded)",
+    "timed": "preparing (the step table's time, legacy and bounded)",
+    "copy_in": "copying each layer in (a clone for legacy, a new layer for "
+    "bounded; not in the table)",
     "metered": "metering",
     "check": "byte checks",
     "precision": "precision report",
@@ -168,7 +174,9 @@ def _precision_table(result: dict) -> str:
 def format_job_time(phases: dict[str, float], wall_s: float) -> str:
     """Where the job's wall time went: ``phases`` maps a phase (as named in
     :data:`JOB_PHASES`) to its seconds (rank 0's in a parallel run); the
-    rest is setup (starting the meter, processes, reading the config)."""
+    rest is setup (starting the meter, processes, reading the config) and
+    the bookkeeping between timed steps. "preparing" is the sum of the step
+    table's totals, so the two add up."""
     if wall_s <= 0:
         return ""
     parts = [
@@ -178,7 +186,8 @@ def format_job_time(phases: dict[str, float], wall_s: float) -> str:
     rest = wall_s - sum(phases.values())
     return (
         f"job: {wall_s:.1f} s wall: " + ", ".join(parts) + f", the rest {rest:.1f} s "
-        "(setup: the meter's first start, processes, the checkpoint's index)"
+        "(setup: the meter's first start, processes, the checkpoint's index; "
+        "between the timed steps)"
     )
 
 

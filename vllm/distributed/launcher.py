@@ -62,6 +62,9 @@ def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args
             backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
         )  # fmt: skip
         ps.initialize_model_parallel(tp_size)
+        # The run's deadline starts here, not at the spawn: starting a
+        # process and importing torch take seconds on a loaded machine.
+        conn.send_bytes(pickle.dumps(("ready", None)))
         value = fn(rank, *args)
         conn.send_bytes(pickle.dumps(("ok", value)))
         reported = True
@@ -101,9 +104,12 @@ def spawn_workers(
     ``fn`` must be importable by name (a module-level function) and its
     arguments and result picklable. ``backend``: default gloo without CUDA,
     NCCL with it. ``timeout_s`` bounds each collective (a rank waiting for
-    one that hangs); ``deadline_s``, if given, the whole run. Raises
+    one that hangs), the group's rendezvous at the start included;
+    ``deadline_s``, if given, bounds each rank's ``fn``: it counts from the
+    moment that rank has joined its groups, so starting the process and
+    importing torch (seconds on a loaded machine) are not part of it. Raises
     :class:`WorkerError` for the first rank that fails (or dies, or misses
-    the deadline), after terminating every worker.
+    the deadline: the lowest such rank), after terminating every worker.
     """
     import multiprocessing as mp
 
@@ -177,16 +183,19 @@ def spawn_workers(
 
 
 def _collect(procs, conns, deadline_s: float | None) -> list[Any]:
+    """Each rank's result from its pipe, in rank order. A rank sends
+    ``("ready", None)`` once it has joined its groups, then ``("ok", value)``
+    or ``("error", (message, details))``; ``deadline_s`` counts from its
+    "ready"."""
     from multiprocessing.connection import wait
 
     world_size = len(procs)
     values: dict[int, Any] = {}
+    ready_at: dict[int, float] = {}
     pending = dict(enumerate(conns))
-    deadline = None if deadline_s is None else time.monotonic() + deadline_s
     while pending:
         for conn in wait(list(pending.values()), timeout=0.2):
             rank = next(r for r, c in pending.items() if c is conn)
-            del pending[rank]
             try:
                 status, payload = pickle.loads(conn.recv_bytes())
             except EOFError:  # closed without a word: the process died
@@ -194,10 +203,21 @@ def _collect(procs, conns, deadline_s: float | None) -> list[Any]:
                 raise WorkerError(
                     rank, f"the worker died (exit code {procs[rank].exitcode})"
                 ) from None
+            if status == "ready":
+                ready_at[rank] = time.monotonic()
+                continue
+            del pending[rank]
             if status == "error":
                 message, details = payload
                 raise WorkerError(rank, message, details)
             values[rank] = payload
-        if pending and deadline is not None and time.monotonic() > deadline:
-            raise WorkerError(min(pending), f"no result after {deadline_s:.0f} s")
+        if deadline_s is not None:
+            now = time.monotonic()
+            late = [
+                r for r in pending if r in ready_at and now - ready_at[r] > deadline_s
+            ]
+            if late:
+                raise WorkerError(
+                    min(late), f"no result {deadline_s:g} s after joining the group"
+                )
     return [values[rank] for rank in range(world_size)]

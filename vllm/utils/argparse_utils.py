@@ -1,14 +1,16 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""argparse types shared by the command lines."""
+"""argparse types and the parser class shared by the command lines."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Callable
 
 __all__ = [
+    "CommandLineParser",
     "RunError",
     "available_cores",
     "core_count",
@@ -22,6 +24,48 @@ class RunError(RuntimeError):
     """A command failed after its arguments were accepted (its run, or
     writing its results): the command line reports it in one line and exits
     with status 1, without the usage that argument errors (status 2) get."""
+
+
+# A negative number or size given as a value ("-5MiB", "-.5G", "-1").
+_NEGATIVE_VALUE = re.compile(r"^-\.?[0-9]")
+
+
+class CommandLineParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` for the command lines here, with three
+    differences a user notices:
+
+    * No abbreviations (``allow_abbrev=False``): ``--num-layer 1`` is an
+      unknown option, not ``--num-layers`` (argparse would take any unique
+      prefix, turning a typo into another option).
+    * A value that starts with ``-`` and a digit is a value, never an
+      option: ``--memory-limit -5MiB`` reaches the option's type and its
+      message ("size must be at least one byte"), where argparse said
+      "expected one argument" because ``-5MiB`` is no plain number.
+    * An argument error is two lines on stderr, status 2: the error, then a
+      hint to ``--help`` (not the whole usage before the one useful line).
+
+    Sub-command parsers made with ``add_subparsers`` are of this class too.
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def _parse_optional(self, arg_string):
+        # argparse's hook that decides "option or value" for one string
+        # (None: a value); only negative numbers without units pass it.
+        if _NEGATIVE_VALUE.match(arg_string):
+            return None
+        return super()._parse_optional(arg_string)
+
+    def error(self, message: str):
+        """Print ``<prog>: error: <message>`` and the ``--help`` hint to
+        stderr and exit with status 2 (argparse's status for bad arguments)."""
+        self.exit(
+            2,
+            f"{self.prog}: error: {message}\n"
+            f"Try '{self.prog} --help' for more information.\n",
+        )
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

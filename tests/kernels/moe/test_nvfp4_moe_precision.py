@@ -158,10 +158,13 @@ def test_differing_gate_up_scales_are_exact_in_alpha_mode(tmp_path, fmt, std):
     want = torch.tensor([UP_GATE_RATIOS[e % 2] for e in range(E)])
     torch.testing.assert_close(ratio, want, rtol=1 / 128, atol=0)
     assert err["alpha"] < DIFFERING_TOL, err
-    # w1_alpha is the gate's own scale; w2_alpha carries the ratio.
+    # w1_alpha is the gate's own scale; w2_alpha carries the ratio and FC2's
+    # input scale.
     kernel = layer.quant_method.experts.prepared
     assert torch.equal(kernel.w1_alpha, s2[:, 1])
-    assert torch.equal(kernel.w2_alpha, layer.w2_weight_scale_2 * ratio)
+    assert torch.equal(
+        kernel.w2_alpha, layer.w2_weight_scale_2 * ratio * kernel.fc2_input_scale
+    )
     # Nothing rewritten: the prepared block scales are the checkpoint's own,
     # reordered to [up; gate] and swizzled, byte for byte.
     stored = split_cat_halves(_checkpoint_w13_block_scales(ckpt), 1)

@@ -173,8 +173,10 @@ def test_operation_count_follows_bytes_not_experts(mode):
     many = _data_ops_of_preparation(256, 1024, 128, mode)
     assert many <= few * 1.1 + 8, (few, many)
     # And O(bytes / tile): about 54 MiB through 2 MiB tiles (41 and 125 when
-    # written; chunks per expert gave 291 and 327, and 1059 and 1095).
-    assert few <= {"alpha": 60, "fold": 160}[mode], few  # was 291 and 327
+    # written, 61 in alpha mode once the kernel's two [E] activation scales
+    # were checked and inverted at the bind; chunks per expert gave 291 and
+    # 327, and 1059 and 1095).
+    assert few <= {"alpha": 80, "fold": 160}[mode], few  # was 291 and 327
 
 
 # --- threads ----------------------------------------------------------------------

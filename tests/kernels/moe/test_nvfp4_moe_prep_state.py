@@ -18,6 +18,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
 )
 from tests.kernels.utils import bytes_of
+from tests.sigint import sigint_raises_keyboard_interrupt
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
@@ -344,15 +345,18 @@ def test_real_sigint_lands_between_chunks():
     s = torch.randint(0, 256, (4, 8, 8), dtype=torch.uint8, generator=gen)
     # 8 chunks of w (rows of 256 bytes in 128-byte pieces) + 1 of s, 3 copies
     # each: the signal arrives after every copy of every chunk.
-    for k in range(1, 27):
-        wk, sk, progress = w.clone(), s.clone(), ChunkProgress()
-        with pytest.raises(KeyboardInterrupt), SigintAtCopy(k):
+    # Python's own SIGINT handler, as in a terminal: a background pytest
+    # (nohup ... &) inherits SIGINT ignored, and the signal would do nothing.
+    with sigint_raises_keyboard_interrupt():
+        for k in range(1, 27):
+            wk, sk, progress = w.clone(), s.clone(), ChunkProgress()
+            with pytest.raises(KeyboardInterrupt), SigintAtCopy(k):
+                reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
+            assert progress.done == (k + 2) // 3, k  # the chunk in flight finished
             reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
-        assert progress.done == (k + 2) // 3, k  # the chunk in flight finished
-        reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
-        assert torch.equal(wk, split_cat_halves(w, -2)), k
-        assert torch.equal(sk, split_cat_halves(s, -2)), k
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert torch.equal(wk, split_cat_halves(w, -2)), k
+            assert torch.equal(sk, split_cat_halves(s, -2)), k
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 class SigintThenRaise(TorchFunctionMode):
@@ -378,11 +382,13 @@ def test_held_back_sigint_is_not_lost_when_another_exception_leaves():
     w = torch.arange(4 * 8 * 64, dtype=torch.int64).to(torch.uint8).view(4, 8, 64)
     s = torch.zeros(4, 8, 8, dtype=torch.uint8)
     wk = w.clone()
-    with pytest.raises(KeyboardInterrupt) as info, SigintThenRaise():
-        reorder_w1w3_to_w3w1(wk, s.clone(), max_transient_bytes=128)
+    # Python's own SIGINT handler, whatever pytest inherited (see above).
+    with sigint_raises_keyboard_interrupt():
+        with pytest.raises(KeyboardInterrupt) as info, SigintThenRaise():
+            reorder_w1w3_to_w3w1(wk, s.clone(), max_transient_bytes=128)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert isinstance(info.value.__context__, Interrupt)
     assert torch.equal(wk, w)  # the chunk in flight was left untouched
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # --- 5. the swizzle writes only the tensor's own bytes ---------------------------

@@ -83,7 +83,9 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
     ``mode="alpha"``: every block scale as loaded (reordered and swizzled
     only). The [E, 2] global scales stay as loaded.
     Also the kernel's alphas: ``w1_alpha`` = the gate's (w1's) global
-    scale, ``w2_alpha`` = w2's times s_w3 / s_w1 (1 and 1 after a fold)."""
+    scale, ``w2_alpha`` = w2's times s_w3 / s_w1 times FC2's input scale as
+    the kernel gets it (``1 / a2_gscale``, ``a2_gscale = 1 / input_scale``);
+    1 and 1 after a fold."""
     s13, s2 = t["w13_weight_scale"].cpu(), t["w2_weight_scale"].cpu()
     g13, g2 = t["w13_weight_scale_2"].cpu(), t["w2_weight_scale_2"].cpu()
     if mode == "fold":
@@ -92,6 +94,8 @@ def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
     alpha1, alpha2 = g13[:, 0], g2
     if gated:
         alpha2 = g2 * (g13[:, 1] / g13[:, 0])
+    if mode == "alpha":
+        alpha2 = alpha2 * (1.0 / (1.0 / t["w2_input_scale"].cpu().float()))
     w13 = t["w13_weight"].cpu()
     if gated:
         w13, s13 = split_cat_halves(w13, -2), split_cat_halves(s13, -2)

@@ -23,8 +23,9 @@ __all__ = ["main", "make_parser"]
 
 def make_parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.cli.benchmark.main import add_bench_subparser
+    from vllm.utils.argparse_utils import CommandLineParser
 
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="vllm",
         description="vLLM (NVFP4 MoE weight-preparation branch) command line.",
     )
@@ -79,9 +80,13 @@ def _main(argv: list[str] | None, prog: list[str]) -> int:
         from vllm.utils.argparse_utils import RunError
 
         parser = make_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     command = getattr(args, "command_parser", parser)
     prog[0] = command.prog
+    if unknown:
+        # Reported by the command they were given to (its name, its --help),
+        # not by the top-level parser as parse_args would.
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.dispatch(args) or 0
     except BrokenPipeError:
@@ -94,8 +99,8 @@ def _main(argv: list[str] | None, prog: list[str]) -> int:
         # stopped): one line, status 1.
         command.exit(1, f"{command.prog}: error: {e}\n")
     except (ValueError, OSError) as e:
-        # A bad argument, found before anything ran: the usage and one line,
-        # status 2, as argparse's own argument errors.
+        # A bad argument, found before anything ran: the error and the
+        # --help hint, status 2, as argparse's own argument errors.
         command.error(str(e))
 
 

@@ -19,11 +19,12 @@ half-written checkpoint; a non-empty ``OUT_DIR`` is refused unless
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
     MODELOPT,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import W4A4, W4A16
-from vllm.utils.argparse_utils import positive_int
+from vllm.utils.argparse_utils import CommandLineParser, positive_int
 from vllm.utils.mem_utils import available_memory_bytes
 
 __all__ = [
@@ -53,8 +54,12 @@ __all__ = [
 ]
 
 
-def _global_scale(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
-    gs = nvfp4_global_scale(w.float().abs().amax() if amax is None else amax)
+def _global_scales(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
+    """One quantization-direction global scale per expert of ``w`` [c, N, K]
+    (float32 [c]), from ``amax`` [c] (default: each expert's own)."""
+    if amax is None:
+        amax = w.float().abs().amax(dim=(1, 2))
+    gs = nvfp4_global_scale(amax)
     if pow2:
         # The largest power of two not above 448*6/amax: block scales stay
         # <= 448, and folding this scale into them is exact (an exponent shift).
@@ -62,32 +67,66 @@ def _global_scale(w: torch.Tensor, pow2: bool, amax=None) -> torch.Tensor:
     return gs
 
 
-def _expert_tensors(
+def _experts_tensors(
     w: torch.Tensor, fmt: str, pow2: bool, act_amax: float | None, amax=None
-) -> dict:
-    """NVFP4 tensors of one projection weight [N, K] (suffix -> tensor); the
-    global scale from ``amax`` (default: w's own); a static input scale from
-    ``act_amax`` unless it is None."""
-    gs = _global_scale(w, pow2, amax)
+) -> list[dict[str, torch.Tensor]]:
+    """NVFP4 tensors of one projection of ``c`` experts, ``w`` [c, N, K]: per
+    expert a dict suffix -> tensor (each its own storage, as safetensors
+    needs). The global scales from ``amax`` [c] (default: each expert's own);
+    a static input scale from ``act_amax`` unless it is None. The same bytes
+    as quantizing each expert alone: the quantization is per block, with
+    each expert's global scale."""
+    gs = _global_scales(w, pow2, amax)
     packed, scale = quantize_nvfp4(w, gs)
     in_gs = None if act_amax is None else nvfp4_global_scale(torch.tensor(act_amax))
-    if fmt == MODELOPT:
-        out = {
-            "weight": packed,
-            "weight_scale": scale,
-            "weight_scale_2": global_scale_to_modelopt(gs).reshape(()),
-        }
-        if in_gs is not None:
-            out["input_scale"] = global_scale_to_modelopt(in_gs).reshape(())
-        return out
-    out = {
-        "weight_packed": packed,
-        "weight_scale": scale,
-        "weight_global_scale": global_scale_to_compressed_tensors(gs).reshape(1),
-    }
-    if in_gs is not None:
-        out["input_global_scale"] = global_scale_to_compressed_tensors(in_gs).reshape(1)
+    out = []
+    for i in range(w.shape[0]):
+        if fmt == MODELOPT:
+            t = {
+                "weight": packed[i].clone(),
+                "weight_scale": scale[i].clone(),
+                "weight_scale_2": global_scale_to_modelopt(gs[i]).reshape(()),
+            }
+            if in_gs is not None:
+                t["input_scale"] = global_scale_to_modelopt(in_gs).reshape(())
+        else:
+            t = {
+                "weight_packed": packed[i].clone(),
+                "weight_scale": scale[i].clone(),
+                "weight_global_scale": global_scale_to_compressed_tensors(
+                    gs[i]
+                ).reshape(1),
+            }
+            if in_gs is not None:
+                t["input_global_scale"] = global_scale_to_compressed_tensors(
+                    in_gs
+                ).reshape(1)
+        out.append(t)
     return out
+
+
+#: Experts are quantized a few at a time: about this many weights per call
+#: (2 MiB of float32 temporaries, several alive at once). One call per
+#: expert costs as much in call overhead; a whole layer at once spills the
+#: cache (per layer of the example checkpoint on 2 cores: 1 expert 3.4 s,
+#: ~0.5M weights 3.1 s, 4M 5.2 s, on one thread).
+_WEIGHTS_PER_CALL = 1 << 19
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread while the block runs, the previous
+    setting after. The quantization is many element-wise operations on
+    small tensors, and each parallel one waits for its slowest thread: with
+    the other core of a 2-core machine busy, one expert took 559 ms on two
+    threads and 9.5 ms on one (the example checkpoint: 3.5 minutes, seconds
+    now), as the bounded preparation found (``moe_prep_threads``)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 _NVFP4_SCHEME = {
@@ -230,7 +269,7 @@ def write_nvfp4_moe_checkpoint(
             f"quant_mode must be {W4A4!r} or {W4A16!r}, or a dict giving one of "
             f"them to each of the layers {sorted(layers)}; got {quant_mode!r}"
         )
-    with whole_directory(out_dir, overwrite) as tmp:
+    with whole_directory(out_dir, overwrite) as tmp, _one_thread():
         _write(tmp, layers, config, fmt, gated, prefix, block, max_shard_bytes,
                pow2_global_scales, act_amax, quant_config_in_config_json,
                shared_w13_global_scale, modes, per_layer,
@@ -246,23 +285,39 @@ def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes
     for layer_idx, (w13, w2) in sorted(layers.items()):
         e = w13.shape[0]
         half = w13.shape[1] // 2
-        for ex in range(e):
-            base = f"{prefix}.{layer_idx}.{block}.experts.{ex}"
-            projs = (
-                {"gate_proj": w13[ex, :half], "up_proj": w13[ex, half:]}
-                if gated
-                else {"up_proj": w13[ex]}
+        projs = (
+            {"gate_proj": w13[:, :half], "up_proj": w13[:, half:]}
+            if gated
+            else {"up_proj": w13}
+        )
+        projs["down_proj"] = w2
+        with_input = modes[layer_idx] == W4A4 or w4a16_input_scales
+        per_call = max(1, _WEIGHTS_PER_CALL // (w13[0].numel() or 1))
+        for first in range(0, e, per_call):
+            chunk = range(first, min(e, first + per_call))
+            joint = (
+                w13[chunk.start : chunk.stop].float().abs().amax(dim=(1, 2))
+                if shared_w13_global_scale
+                else None
             )
-            projs["down_proj"] = w2[ex]
-            joint = w13[ex].float().abs().amax() if shared_w13_global_scale else None
-            with_input = modes[layer_idx] == W4A4 or w4a16_input_scales
-            for proj, w in projs.items():
-                amax = joint if proj != "down_proj" else None
-                for suffix, t in _expert_tensors(
-                    w, fmt, pow2_global_scales, act_amax if with_input else None,
-                    amax,
-                ).items():  # fmt: skip
-                    tensors[f"{base}.{proj}.{suffix}"] = t.contiguous()
+            # proj -> one dict per expert of the chunk
+            done = {
+                proj: _experts_tensors(
+                    w[chunk.start : chunk.stop],
+                    fmt,
+                    pow2_global_scales,
+                    act_amax if with_input else None,
+                    joint if proj != "down_proj" else None,
+                )
+                for proj, w in projs.items()
+            }
+            # The order of the per-expert writer before: expert, projection,
+            # suffix (it decides where the shards split).
+            for i, ex in enumerate(chunk):
+                base = f"{prefix}.{layer_idx}.{block}.experts.{ex}"
+                for proj in projs:
+                    for suffix, t in done[proj][i].items():
+                        tensors[f"{base}.{proj}.{suffix}"] = t
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -353,7 +408,7 @@ def _example_config(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = CommandLineParser(
         prog="python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer",
         description="Write a small NVFP4 MoE checkpoint with random weights "
         "(ModelOpt or compressed-tensors layout) for trying the loader and "
@@ -425,16 +480,18 @@ def main(argv: list[str] | None = None) -> None:
     else:
         modes = args.quant
     try:
-        layers = {
-            i: random_bf16_experts(args.num_experts, args.hidden_size,
-                                   args.intermediate_size, gated, args.seed + i)
-            for i in range(args.num_layers)
-        }  # fmt: skip
-        out = write_nvfp4_moe_checkpoint(
-            args.out_dir, layers, _example_config(args), fmt=args.format,
-            gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
-            quant_mode=modes, per_layer=args.per_layer, overwrite=args.overwrite,
-        )  # fmt: skip
+        # The draw on one thread too (the same numbers on any number).
+        with _one_thread():
+            layers = {
+                i: random_bf16_experts(args.num_experts, args.hidden_size,
+                                       args.intermediate_size, gated, args.seed + i)
+                for i in range(args.num_layers)
+            }  # fmt: skip
+            out = write_nvfp4_moe_checkpoint(
+                args.out_dir, layers, _example_config(args), fmt=args.format,
+                gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
+                quant_mode=modes, per_layer=args.per_layer, overwrite=args.overwrite,
+            )  # fmt: skip
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except (MemoryError, RuntimeError) as e:

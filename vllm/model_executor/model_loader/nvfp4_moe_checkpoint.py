@@ -51,13 +51,14 @@ from vllm.model_executor.model_loader.checkpoint_files import (
     get_dict as _get_dict,
 )
 from vllm.model_executor.model_loader.checkpoint_files import (
-    open_inside as _open_inside,
-)
-from vllm.model_executor.model_loader.checkpoint_files import (
     read_json as _read_json,
 )
 from vllm.model_executor.model_loader.checkpoint_files import (
     safe_open_inside as _safe_open_inside,
+)
+from vllm.model_executor.model_loader.moe_routing import (
+    MoERouting,
+    moe_routing_from_config,
 )
 from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
     W4A16,
@@ -276,6 +277,19 @@ class NVFP4MoECheckpoint:
         return self._cfg("num_experts_per_tok", "moe_topk")
 
     @property
+    def routing(self) -> MoERouting:
+        """The router the config declares (``norm_topk_prob`` as
+        ``renormalize``, per architecture: :mod:`~vllm.model_executor.
+        model_loader.moe_routing`); ``FusedMoE(**ckpt.routing.layer_kwargs(),
+        ...)``. ValueError naming config.json and the key where it is not the
+        softmax top-k routing ``FusedMoE`` computes, or is not declared."""
+        model_type = self.text_config.get("model_type", self.config.get("model_type"))
+        config = {"model_type": model_type, **self.text_config}
+        return moe_routing_from_config(
+            config, self.top_k, str(self.model_dir / "config.json")
+        )
+
+    @property
     def hidden_size(self) -> int:
         return self._cfg("hidden_size")
 
@@ -351,7 +365,10 @@ class NVFP4MoECheckpoint:
                         f"{index}: weight_map[{name!r}] must be a file name, got "
                         f"{file!r}"
                     )
-            for file in sorted(set(wm.values())):
+            names: dict[str, list[str]] = defaultdict(list)
+            for name, file in wm.items():
+                names[file].append(name)
+            for file in sorted(names):
                 if Path(file).is_absolute() or ".." in Path(file).parts:
                     raise ValueError(
                         f"{index}: shard {file!r} must be a path inside the "
@@ -359,9 +376,7 @@ class NVFP4MoECheckpoint:
                     )
                 if not (self.model_dir / file).exists():
                     raise ValueError(f"{index}: shard {file} is missing")
-                os.close(
-                    _open_inside(self.model_dir / file, self.model_dir, str(index))
-                )
+                self._check_shard_header(self.model_dir / file, names[file], index)
             return wm
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
@@ -376,6 +391,23 @@ class NVFP4MoECheckpoint:
                     )
                 wm[name] = path.name
         return wm
+
+    def _check_shard_header(self, path: Path, names: list[str], index: Path) -> None:
+        """Every shard's header is read when the checkpoint is opened, before
+        any layer: a truncated or corrupt shard (safetensors checks that the
+        header parses and its tensors cover the file exactly) is a ValueError
+        naming it, up front, not a failure in the middle of a run after the
+        layers before it (a corrupt second shard: two layers and 12 s in).
+        The tensors the index places in the shard must be in its header."""
+        with _safe_open_inside(path, self.model_dir, str(index)) as f:
+            keys = set(f.keys())
+        missing = [n for n in names if n not in keys]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise ValueError(
+                f"{index}: {missing[0]}{more} should be in {path.name}, whose "
+                "header has no such tensor"
+            )
 
     def _keys(self, path: Path) -> list[str]:
         with _safe_open_inside(path, self.model_dir, "shard") as f:

@@ -30,13 +30,20 @@ itself must know which layout its bytes are in::
 * **Guard.** A PREPARED layer records each parameter's fingerprint (storage,
   offset, shape, strides, dtype, ``_version``) and, with
   ``VLLM_MOE_PREP_VERIFY=1``, a checksum of its bytes; writes that bypass
-  the loader are refused at ``forward`` and at a re-preparation.
+  the loader are refused at ``forward`` and at a re-preparation. A
+  parameter's own ``weight_loader`` attribute (vLLM's ``RoutedExperts``
+  loader, which writes ``param.data[...]``: no version counter moves) is
+  wrapped by :func:`guard_weight_loaders`: a write through it into a layer
+  that is not in the load layout is recorded and refused the same way.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import inspect
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +63,7 @@ __all__ = [
     "PrepStatus",
     "adopt_extra_state",
     "get_prep_state",
+    "guard_weight_loaders",
     "layout_extra_state",
     "load_layout_data",
     "nvfp4_moe_param_specs",
@@ -147,6 +155,10 @@ class MoEWeightPrepState:
         torn_reason: why the layer is torn.
         writes_since_prepared: weight_loader wrote since the last
             preparation (a failure then tears the layer).
+        loader_writes: names of parameters a guarded ``weight_loader``
+            attribute (:func:`guard_weight_loaders`) wrote into while the
+            layer was not in the load layout: their bytes are not the
+            layout the state describes.
         lock: the layer's re-entrant lock (not copied: a copy gets its own).
     """
 
@@ -164,6 +176,7 @@ class MoEWeightPrepState:
     torn: dict[str, torch.Tensor] = field(default_factory=dict)
     torn_reason: str = ""
     writes_since_prepared: bool = False
+    loader_writes: set[str] = field(default_factory=set)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     #: small facts a preparation records for its later steps and for the
     #: way back (W4A16: the scale exponents, taken before the scales are
@@ -252,9 +265,14 @@ class MoEWeightPrepState:
 
     def changed(self, layer: torch.nn.Module) -> dict[str, str]:
         """Parameter name -> how it changed since the preparation finished."""
-        out = {}
+        out = {
+            n: "written through its weight_loader after the preparation began"
+            for n in sorted(self.loader_writes)
+        }
         params = dict(layer.named_parameters())
         for n, fp in self.fingerprints.items():
+            if n in out:
+                continue
             p = params.get(n)
             if p is None or fp is None:
                 out[n] = "replaced"
@@ -283,8 +301,9 @@ class MoEWeightPrepState:
                 f"parameters of a prepared MoE layer were modified in place or "
                 f"replaced after its preparation ({what}); load new weights through "
                 "FusedMoE.weight_loader (or NVFP4MoECheckpoint.load_layer), which "
-                "returns the layer to its load layout first, then call "
-                "process_weights_after_loading again"
+                "returns the layer to its load layout first, or call the experts' "
+                "restore_load_layout(layer) before loading through another "
+                "weight_loader, then call process_weights_after_loading again"
             )
 
     # -- torn reloads ----------------------------------------------------------
@@ -329,6 +348,79 @@ def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
         state = MoEWeightPrepState()
         layer.weight_prep_state = state
     return state
+
+
+def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None:
+    """(local expert, row group) a ``weight_loader(param, loaded_weight,
+    weight_name, shard_id, expert_id, ...)`` call writes, or None."""
+    args = bound.arguments
+    shard, expert = args.get("shard_id"), args.get("expert_id")
+    if not isinstance(expert, int) or shard not in ("w1", "w2", "w3"):
+        return None
+    to_local = getattr(layer, "_map_global_expert_id_to_local_expert_id", None)
+    local = to_local(expert) if to_local is not None else expert
+    if local is None or local < 0:
+        return None
+    first = "w3" if get_prep_state(layer).load_w3w1 else "w1"
+    group = 0 if shard in ("w2", first) or not name.startswith("w13_") else 1
+    return local, group
+
+
+class _GuardedWeightLoader:
+    """A parameter's ``weight_loader`` that records writes into a layer that
+    is not in the load layout (see :func:`guard_weight_loaders`). An object
+    rather than a closure, so that a copy of the layer (``copy.deepcopy``,
+    pickling) gets a loader of its own copy: its fields are copied with it,
+    as a bound method of the layer would be."""
+
+    _moe_prep_guarded = True
+
+    def __init__(self, layer: torch.nn.Module, name: str, loader: Callable):
+        self.layer, self.name, self.loader = layer, name, loader
+        # __wrapped__ (the loader), its name and doc: vLLM's layerwise
+        # reload reads the loader's signature, which inspect finds through
+        # __wrapped__.
+        functools.update_wrapper(self, loader)
+
+    def __call__(self, *args, **kwargs):
+        layer, name, loader = self.layer, self.name, self.loader
+        state = get_prep_state(layer)
+        with state.lock:  # never beside a preparation, restore or forward
+            try:
+                result = loader(*args, **kwargs)
+            finally:
+                # A loader that restored the load layout first (this tree's
+                # FusedMoE) leaves the layer LOADING; one that wrote into a
+                # prepared layer (vLLM's, through param.data) does not.
+                if state.status is not PrepStatus.LOADING:
+                    state.loader_writes.add(name)
+            if state.torn and result is not False:
+                try:
+                    bound = inspect.signature(loader).bind(*args, **kwargs)
+                    slot = _slot_of(layer, name, bound)
+                except TypeError:
+                    slot = None
+                if slot is not None:
+                    state.clear_slot(name, *slot)
+        return result
+
+
+def guard_weight_loaders(layer: torch.nn.Module) -> None:
+    """Wrap the ``weight_loader`` attribute of each of ``layer``'s own
+    parameters (once) so that a write through it while the layer is not in
+    the load layout (PREPARING, PREPARED, RESTORING) is recorded in
+    ``state.loader_writes``: ``check_unchanged`` (the forward's guard and a
+    re-preparation) then refuses the layer, and a restore resets it (torn)
+    instead of undoing the preparation on mixed bytes. Writes into a torn
+    layer in the load layout clear their (expert, shard) slot. vLLM's own
+    loaders write ``param.data[...]``, which moves no version counter; the
+    wrapper keeps the loader's signature (``functools.wraps``), as vLLM's
+    layerwise reload reads it."""
+    for name, param in layer.named_parameters(recurse=False):
+        loader = getattr(param, "weight_loader", None)
+        if loader is None or getattr(loader, "_moe_prep_guarded", False):
+            continue
+        param.weight_loader = _GuardedWeightLoader(layer, name, loader)
 
 
 def nvfp4_moe_param_specs(moe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -157,6 +157,9 @@ def run_recorded_steps(
         if state.status is PrepStatus.PREPARED:
             state.check_unchanged(layer)
             return
+        if state.loader_writes and state.status is PrepStatus.PREPARING:
+            # Resuming would run the remaining steps on a mix of layouts.
+            state.check_unchanged(layer)
         if state.status is PrepStatus.RESTORING:
             restore()
         if state.status is PrepStatus.LOADING:

@@ -12,16 +12,23 @@ W4A4 (``quant_config.quant_dtype == "nvfp4"``):
   undo that); block scales are read through the MMA-layout views;
 * ``e2m1 * block_scale`` per weight, times the per-expert alphas on the
   GEMM outputs;
-* ``weights_only=False`` (the kernel's arithmetic): the FC1 and FC2 inputs
-  are quantized to NVFP4 (16-element blocks along the reduction dimension,
-  FP8 block scales, global scales of 1 and the FC2 input scale). Not
-  modelled: the kernel's accumulation order and tiling, its rounding of the
-  block-scale computation (a 1-ulp FP8 scale difference is possible), and
-  its BF16 rounding points beyond the final cast.
+* ``weights_only=False`` (the kernel's arithmetic): each expert's FC1 input
+  (BF16) is quantized to NVFP4 as the kernel does it
+  (``nvfp4_utils.quantize_nvfp4_b12x_activation``, fast math) with
+  ``fc1_input_scale[e]`` (``w1_alpha[e]`` when there is none), the GEMM runs
+  on ``codes * block_scale`` of both operands in float32 and its output is
+  multiplied by ``w1_alpha[e] * fc1_input_scale[e]`` (``w1_alpha[e]``
+  alone without one); the activation's output is rounded to BF16 and
+  quantized the same way with ``fc2_input_scale[e]``; FC2's output is
+  multiplied by ``w2_alpha[e]``. Not modelled: the kernel's accumulation
+  order and tiling, its reciprocal approximations (within one ulp: a value
+  on an E4M3 or E2M1 rounding boundary may round the other way), its fast
+  activation functions and its BF16 rounding of each route's output.
 * ``weights_only=True``: activations stay BF16; every GEMM multiplies BF16
-  activations by the decoded weights in fp32 and the intermediate is rounded
-  to BF16, so the result can be compared tightly with the BF16 reference on
-  the dequantized weights.
+  activations by the decoded weights in fp32 (the FC2 output by
+  ``w2_alpha / fc2_input_scale``, the weights' own factor) and the
+  intermediate is rounded to BF16, so the result can be compared tightly
+  with the BF16 reference on the dequantized weights.
 
 W4A16 (``quant_config.use_nvfp4_w4a16``), from ``W4A16PackedWeights`` alone
 with the package's own decode (``nvfp4_utils.w4a16_dequantize``): BF16
@@ -58,7 +65,7 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import w13_rows
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     mma_layout_to_linear,
-    quantize_nvfp4,
+    quantize_nvfp4_b12x_activation,
     w4a16_alpha,
     w4a16_dequantize,
 )
@@ -67,10 +74,12 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 __all__ = ["FlashInferB12xEmulatedExperts"]
 
 
-def _fake_quant(x: torch.Tensor, global_scale: torch.Tensor | float) -> torch.Tensor:
-    """NVFP4 quantize-dequantize of activations [n, K] (float32 out)."""
-    packed, scale = quantize_nvfp4(x, global_scale)
-    return dequantize_nvfp4(packed, scale, global_scale)
+def _mma_operand(x: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """What the kernel's MMA reads for activations ``x`` [n, K] quantized with
+    ``input_scale`` (dequantization direction): ``codes * block_scale``,
+    about ``x / input_scale`` (float32)."""
+    packed, scale = quantize_nvfp4_b12x_activation(x.to(torch.bfloat16), input_scale)
+    return dequantize_nvfp4(packed, scale, 1.0)
 
 
 def _activation(act: MoEActivation, fc1: torch.Tensor, first_is_gate: bool):
@@ -203,20 +212,26 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
                 continue  # unrouted slot, or another rank's expert
             sel = ids == e
             tok = tokens[sel]
-            x = hidden_states[tok].float()  # [n, H]
-            if not self.emulate_weights_only:
-                gs = 1.0 if t.fc1_input_scale is None else t.fc1_input_scale[e]
-                x = _fake_quant(x, gs)
+            x = hidden_states[tok]  # [n, H]
             w13 = self._decoded_weight(w1, t.w1_sf_mma, e, rows, h)  # [rows, H]
-            fc1 = (x @ w13.t()) * t.w1_alpha[e]  # [n, rows]
+            if self.emulate_weights_only:
+                fc1 = (x.float() @ w13.t()) * t.w1_alpha[e]  # [n, rows]
+            elif t.fc1_input_scale is None:
+                # Upstream's call: w1_alpha is both the input's scale and the
+                # output's multiplier.
+                fc1 = (_mma_operand(x, t.w1_alpha[e]) @ w13.t()) * t.w1_alpha[e]
+            else:
+                d1 = t.fc1_input_scale[e]
+                fc1 = (_mma_operand(x, d1) @ w13.t()) * (t.w1_alpha[e] * d1)
             # b12x layout: rows [0, I) are w3 (up), rows [I, 2I) w1 (gate).
             act = _activation(moe.activation, fc1, first_is_gate=False)  # [n, I]
-            if self.emulate_weights_only:
-                act = act.to(hidden_states.dtype).float()
-            else:
-                act = _fake_quant(act, t.fc2_input_scale[e])
+            act = act.to(hidden_states.dtype)
             w2e = self._decoded_weight(w2, t.w2_sf_mma, e, h, inter)  # [H, I]
-            y = (act @ w2e.t()) * t.w2_alpha[e]  # [n, H]
+            if self.emulate_weights_only:
+                alpha2 = t.w2_alpha[e] / t.fc2_input_scale[e]
+                y = (act.float() @ w2e.t()) * alpha2  # [n, H]
+            else:
+                y = (_mma_operand(act, t.fc2_input_scale[e]) @ w2e.t()) * t.w2_alpha[e]
             out.index_add_(0, tok, y * weights[sel].unsqueeze(1))
         return out.to(hidden_states.dtype)
 

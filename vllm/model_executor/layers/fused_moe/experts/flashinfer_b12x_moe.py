@@ -46,6 +46,7 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
+    guard_weight_loaders,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
@@ -102,6 +103,17 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         global_scale_mode: str | None = None,
     ):
         super().__init__(moe_config=moe_config, quant_config=quant_config)
+        # The layer's shape, under upstream's names.
+        self.out_dtype = moe_config.in_dtype
+        self.num_local_experts = moe_config.num_local_experts
+        self.ep_rank = moe_config.moe_parallel_config.ep_rank
+        self.global_num_experts = moe_config.num_experts
+        self.topk = moe_config.experts_per_token
+        self.hidden_dim = moe_config.hidden_dim
+        self.intermediate_size_per_partition = (
+            moe_config.intermediate_size_per_partition
+        )
+        self.local_expert_offset = self.ep_rank * self.num_local_experts
         if quant_config.use_nvfp4_w4a16:
             self.weight_only = True
         elif quant_config.quant_dtype == "nvfp4":
@@ -289,6 +301,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         named ``through`` (all when None); binds the kernel's views once the
         layer is prepared. Holds the layer's lock."""
         state = get_prep_state(layer)
+        # A parameter's own weight_loader (vLLM's writes param.data, which
+        # the version-counter guard cannot see) records writes into a layer
+        # that is no longer in the load layout.
+        guard_weight_loaders(layer)
         # One thread setting for the whole preparation (moe_prep_threads):
         # switching it per step would cost a thread-team restart each time.
         with state.lock, moe_prep_threads(layer.w13_weight.device):
@@ -320,7 +336,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             self.prepared = self.weights.bind(layer)
         else:
             alpha = self.effective_global_scale_mode == "alpha"
-            tensors = self.weights.bind(layer, alpha)
+            tensors = self.weights.bind(layer, alpha, self.quant_config)
             self.prepared = tensors
             self.w1_sf_mma, self.w2_sf_mma = tensors.w1_sf_mma, tensors.w2_sf_mma
             self._fc2_input_scale = tensors.fc2_input_scale
@@ -364,9 +380,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
                         "parameters were replaced or converted",
                     )
                 return
-            changed = (
-                state.changed(layer) if state.status is PrepStatus.PREPARED else {}
-            )
+            if state.status is PrepStatus.PREPARED:
+                changed = state.changed(layer)
+            else:  # an interrupted preparation or restore: loader writes only
+                changed = {n: "written" for n in state.loader_writes}
             if changed:
                 why = f"parameters changed after the preparation: {sorted(changed)}"
                 reset_load_layout(self.weights, layer, state, why)
@@ -464,8 +481,8 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             self._wrapper = make_b12x_wrapper(self.moe_config, hidden_states.device)
         extra = {}
         if t.fc1_input_scale is not None:
-            # The FC1 input keeps its own (dynamic, global 1) quantization;
-            # w1_alpha is then the weight's global scale alone.
+            # The FC1 input's own scale (calibrated); w1_alpha is then the
+            # weight's global scale alone (the wrapper multiplies the two).
             extra["input_global_scale"] = t.fc1_input_scale
         return self._wrapper.run(
             hidden_states,

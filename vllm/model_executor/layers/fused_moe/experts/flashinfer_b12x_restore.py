@@ -152,4 +152,5 @@ def reset_load_layout(weights, layer: torch.nn.Module, state, reason: str) -> No
     state.undo, state.folds, state.global_scales = [], {}, {}
     state.fingerprints, state.checksums = {}, {}
     state.writes_since_prepared = False
+    state.loader_writes = set()
     state.mark_torn(reload_slots(weights.moe_config), reason)

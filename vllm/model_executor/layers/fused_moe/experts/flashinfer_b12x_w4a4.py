@@ -10,7 +10,7 @@ tensors the kernel reads, in bounded memory::
     w2_weight_scale   [E, H, I/16] linear     -> 128x4 swizzle
     w2_weight_scale_2 [E]                     -> x s_w3 / s_w1: w2_alpha
     (new) w1_sf_mma / w2_sf_mma               MMA-layout views (no copy)
-    (new) fc1 / fc2 input scales [E]          1: quantized dynamically
+    (new) fc1 / fc2 input scales [E]          the checkpoint's calibrated ones
 
 0. ``validate``: scales finite and positive (block scales finite), before
    any write;
@@ -19,8 +19,8 @@ tensors the kernel reads, in bounded memory::
    ``"alpha"`` (default): nothing; the per-expert global scales are the
    kernel's alphas and no block scale is rewritten. An expert whose w1
    (gate) and w3 (up) scales differ gets w1_alpha = s_gate and w2_alpha =
-   s_w2 * s_up / s_gate: the activation is linear in up, and FC2's input is
-   quantized dynamically;
+   s_w2 * s_up / s_gate (times FC2's input scale, see ``alphas``): the
+   activation is linear in up;
 2. ``reorder`` (gated only): ``reorder_w1w3_to_w3w1`` on the weight and the
    linear scales, before any swizzle (a half swap is only valid on the
    swizzled layout when I is a multiple of 128);
@@ -38,7 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEQuantConfig,
+)
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
     fold_to,
 )
@@ -73,12 +76,18 @@ class B12xW4A4Tensors:
     Attributes:
         w1_sf_mma, w2_sf_mma: MMA-layout views [32, 4, M/128, 4, K/64, E] of
             the swizzled block scales (the parameters' own storage).
-        w1_alpha, w2_alpha: per-expert FC1 / FC2 output multipliers.
-        fc1_input_scale: FC1 input global scale, all 1 ("alpha" mode:
-            ``w1_alpha`` is then the weight's scale alone); None in "fold"
-            mode (``w1_alpha`` = 1 plays both roles).
-        fc2_input_scale: FC2 input global scale, all 1 (quantized
-            dynamically).
+        w1_alpha, w2_alpha: per-expert FC1 / FC2 output multipliers, as the
+            kernel takes them (it multiplies ``w1_alpha`` by
+            ``fc1_input_scale`` itself; ``w2_alpha`` carries
+            ``fc2_input_scale``).
+        fc1_input_scale: "alpha" mode: the FC1 input's per-expert scale
+            (DEQUANTIZATION direction: ``1 / a1_gscale``, the checkpoint's
+            calibrated one; 1 where the quant config has none), the
+            kernel's ``input_global_scale``. None in "fold" mode (upstream's
+            call: ``w1_alpha`` = 1 plays both roles).
+        fc2_input_scale: the FC2 input's per-expert scale, the same direction
+            (``1 / a2_gscale`` in "alpha" mode; all 1 in "fold" mode, as
+            upstream passes).
     """
 
     w1_sf_mma: torch.Tensor
@@ -198,7 +207,9 @@ class B12xW4A4Weights:
             ("finalize", finalize),
         ]
 
-    def alphas(self, layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    def alphas(
+        self, layer: torch.nn.Module, fc2_input_scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's per-expert ``(w1_alpha, w2_alpha)``, each [E] float32,
         new tensors (tiny) from the prepared layer's global scales.
 
@@ -206,38 +217,86 @@ class B12xW4A4Weights:
         non-gated layer). For gated experts whose up (w3) global scale
         differs, FC1 then computes ``up * s_gate / s_up``; the activation is
         linear in up, so the factor ``s_up / s_gate`` moves to FC2's output:
-        ``w2_alpha = s_w2 * s_up / s_gate``. The FC2 input is quantized
-        dynamically (global scale 1), so its scaling changes nothing else.
-        After a fold every global scale is 1 and so are both alphas.
+        ``w2_alpha = s_w2 * s_up / s_gate``. The kernel quantizes FC2's input
+        ``a`` to about ``a / fc2_input_scale`` and multiplies FC2's output by
+        ``w2_alpha`` alone, so ``w2_alpha`` also carries ``fc2_input_scale``
+        [E] when one is given. After a fold every global scale is 1 and so
+        are both weight factors.
         """
         moe = self.moe_config
         e = moe.num_local_experts
         s13 = layer.w13_weight_scale_2.detach().float().reshape(e, -1)  # [E, G]
         s2 = layer.w2_weight_scale_2.detach().float().reshape(e)
         if not moe.is_act_and_mul or s13.shape[1] == 1:
-            return s13[:, 0].contiguous(), s2.contiguous()
-        # The [E, 2] columns stay in the order the layer was loaded in
-        # (column g = row group g at load): [w3, w1] when w3 was placed first.
-        up_col = 0 if get_prep_state(layer).load_w3w1 else 1
-        s_up, s_gate = s13[:, up_col], s13[:, 1 - up_col]
-        return s_gate.contiguous(), s2 * (s_up / s_gate)  # x / x is exactly 1
+            w1_alpha, w2_alpha = s13[:, 0].contiguous(), s2.contiguous()
+        else:
+            # The [E, 2] columns stay in the order the layer was loaded in
+            # (column g = row group g at load): [w3, w1] when w3 was first.
+            up_col = 0 if get_prep_state(layer).load_w3w1 else 1
+            s_up, s_gate = s13[:, up_col], s13[:, 1 - up_col]
+            w1_alpha = s_gate.contiguous()
+            w2_alpha = s2 * (s_up / s_gate)  # x / x is exactly 1
+        if fc2_input_scale is not None:
+            w2_alpha = w2_alpha * fc2_input_scale
+        return w1_alpha, w2_alpha
 
-    def bind(self, layer: torch.nn.Module, alpha_mode: bool) -> B12xW4A4Tensors:
-        """The kernel's views of a prepared layer (no copy of a weight)."""
+    def input_scales(
+        self,
+        layer: torch.nn.Module,
+        quant_config: FusedMoEQuantConfig | None,
+        alpha_mode: bool,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(fc1_input_scale, fc2_input_scale)`` for the kernel, [E] float32
+        each, DEQUANTIZATION direction (see :class:`B12xW4A4Tensors`): in
+        "alpha" mode ``1 / a1_gscale`` and ``1 / a2_gscale`` of the quant
+        config (one value or one per expert; all 1 where it has none), in
+        "fold" mode ``(None, ones)``, upstream's call.
+
+        Raises:
+            ValueError: an activation global scale that is not finite and
+                positive, or has neither one nor E entries.
+        """
+        e = self.moe_config.num_local_experts
+        device = layer.w13_weight.device
+        ones = torch.ones(e, dtype=torch.float32, device=device)
+        if not alpha_mode:
+            return None, ones
+        scales = []
+        for name in ("a1_gscale", "a2_gscale"):
+            g = getattr(quant_config, name, None)
+            if g is None:
+                scales.append(ones.clone())
+                continue
+            g = g.detach().to(device=device, dtype=torch.float32).reshape(-1)
+            if g.numel() not in (1, e) or not (
+                torch.isfinite(g).all() and (g > 0).all()
+            ):
+                raise ValueError(
+                    f"the quant config's {name} must hold 1 or {e} finite, "
+                    f"positive values (one per local expert), got shape "
+                    f"{tuple(g.shape)}"
+                )
+            scales.append((1.0 / g).expand(e).contiguous())
+        return scales[0], scales[1]
+
+    def bind(
+        self,
+        layer: torch.nn.Module,
+        alpha_mode: bool,
+        quant_config: FusedMoEQuantConfig | None = None,
+    ) -> B12xW4A4Tensors:
+        """The kernel's views of a prepared layer (no copy of a weight), with
+        the activation scales of ``quant_config`` (see :meth:`input_scales`)."""
         moe = self.moe_config
         e, h, rows = moe.num_local_experts, moe.hidden_dim, w13_rows(moe)
         inter = moe.intermediate_size_per_partition
-        w1_alpha, w2_alpha = self.alphas(layer)
-        device = layer.w13_weight.device
+        fc1_scale, fc2_scale = self.input_scales(layer, quant_config, alpha_mode)
+        w1_alpha, w2_alpha = self.alphas(layer, fc2_scale if alpha_mode else None)
         return B12xW4A4Tensors(
             w1_sf_mma=blockscale_mma_layout_view(layer.w13_weight_scale, rows, h, e),
             w2_sf_mma=blockscale_mma_layout_view(layer.w2_weight_scale, h, inter, e),
             w1_alpha=w1_alpha,
             w2_alpha=w2_alpha,
-            fc1_input_scale=(
-                torch.ones(e, dtype=torch.float32, device=device)
-                if alpha_mode
-                else None
-            ),
-            fc2_input_scale=torch.ones(e, dtype=torch.float32, device=device),
+            fc1_input_scale=fc1_scale,
+            fc2_input_scale=fc2_scale,
         )

@@ -260,6 +260,55 @@ def _b12x_w13_global_scales(
     return w13_scale_2
 
 
+def _b12x_activation_scales(
+    layer: "RoutedExperts",
+    a13_scale: torch.Tensor,
+    a2_scale: torch.Tensor,
+    num_local_experts: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The b12x kernel's FC1 and FC2 input scales, one per local expert, [E]
+    float32 (dequantization direction, ``amax / (448 * 6)``).
+
+    The kernel quantizes each expert's FC1 input with its own scale
+    (``input_global_scale[expert]``) and each FC2 input with
+    ``fc2_input_scale[expert]``, so each expert keeps its calibrated scales:
+    the producer's activation quantization. w1 and w3 read the same input
+    and the kernel takes one FC1 scale per expert: the larger of the two
+    (equal in every checkpoint that calibrates them on the same input; the
+    larger never clips what the other's range holds). Scales sized for all
+    experts (``use_global_sf`` under expert parallelism) are narrowed to
+    this rank's experts by ``layer.expert_map``. With EPLB, experts move
+    between ranks and their scales would not follow: one value shared by
+    all experts, as for FlashInfer's other backends.
+    """
+    a13 = a13_scale.detach().float()
+    if a13.dim() == 2:
+        a13 = a13.max(dim=1).values
+    a13, a2 = a13.reshape(-1), a2_scale.detach().float().reshape(-1)
+    if layer.moe_config.moe_parallel_config.enable_eplb:
+        a13 = amax_for_moe_activation_quant(a13, True).repeat(num_local_experts)
+        a2 = amax_for_moe_activation_quant(a2, True).repeat(num_local_experts)
+        return a13, a2
+    expert_map = getattr(layer, "expert_map", None)
+    scales = []
+    for name, a in (("w13_input_scale", a13), ("w2_input_scale", a2)):
+        if a.numel() != num_local_experts:
+            held = None
+            if expert_map is not None and a.numel() == expert_map.numel():
+                held = (expert_map >= 0).nonzero().flatten()
+            if held is None or held.numel() != num_local_experts:
+                raise ValueError(
+                    f"{name} has {a.numel()} experts' scales; expected "
+                    f"{num_local_experts} (this rank's experts) or one per "
+                    "expert of an expert map that holds that many"
+                )
+            local = torch.empty_like(a[:num_local_experts])
+            local[expert_map[held].long()] = a[held.to(a.device)]
+            a = local
+        scales.append(a.contiguous())
+    return scales[0], scales[1]
+
+
 def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
     backend: "NvFp4MoeBackend",
     layer: "RoutedExperts",
@@ -294,8 +343,9 @@ def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
     ``_b12x_w13_global_scales``). FLASHINFER_CUTLASS and FLASHINFER_TRTLLM:
     [w1; w3] reordered to [w3; w1] in place (bounded), then TRT-LLM's shuffle
     or the 128x4 swizzle (new tensors). The activation scales are reduced as
-    each backend takes them: one value shared by all experts for FlashInfer's
-    backends, the max over w1/w3 otherwise.
+    each backend takes them: one per expert for FLASHINFER_B12X (see
+    ``_b12x_activation_scales``), one value shared by all experts for
+    FlashInfer's other backends, the max over w1/w3 otherwise.
     """
     # Delayed import for circular dependency avoidance.
     from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
@@ -312,6 +362,22 @@ def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
     ):
         raise ValueError(f"{backend} is not a FlashInfer or CUTLASS NVFP4 MoE backend")
 
+    if backend == NvFp4MoeBackend.FLASHINFER_B12X:
+        w13_scale_2 = _b12x_w13_global_scales(layer, w13_scale_2)
+        a13_scale, a2_scale = _b12x_activation_scales(
+            layer, a13_scale, a2_scale, w13.shape[0]
+        )
+        return (
+            w13,
+            w13_scale,
+            w13_scale_2,
+            a13_scale,
+            w2,
+            w2_scale,
+            w2_scale_2,
+            a2_scale,
+        )
+
     # For some FI kernels, the input scales are shared by all experts.
     if is_global_sf_supported_for_nvfp4_backend(backend):
         num_experts = w13.shape[0]
@@ -324,19 +390,6 @@ def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
         )
     else:
         a13_scale = a13_scale.max(dim=1).values.to(torch.float32)
-
-    if backend == NvFp4MoeBackend.FLASHINFER_B12X:
-        w13_scale_2 = _b12x_w13_global_scales(layer, w13_scale_2)
-        return (
-            w13,
-            w13_scale,
-            w13_scale_2,
-            a13_scale,
-            w2,
-            w2_scale,
-            w2_scale_2,
-            a2_scale,
-        )
 
     # Reorder [w1, w3] to [w3, w1] for FI NVFP4 MoE kernels.
     is_gated = layer.activation.is_gated

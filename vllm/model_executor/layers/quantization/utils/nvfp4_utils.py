@@ -53,6 +53,7 @@ __all__ = [
     "nvfp4_global_scale",
     "pack_fp4",
     "quantize_nvfp4",
+    "quantize_nvfp4_b12x_activation",
     "swizzle_blockscale",
     "swizzled_blockscale_shape",
     "unpack_fp4",
@@ -222,6 +223,109 @@ def dequantize_nvfp4(
     values = e2m1_decode(codes).unflatten(-1, (-1, NVFP4_BLOCK_SIZE))
     out = values * block_scale.float().unsqueeze(-1) / gs
     return out.flatten(-2).to(dtype)
+
+
+#: float32(1/6): the fast path's ``rcp(FLOAT4_E2M1_MAX)``.
+_RCP_E2M1_MAX = 1.0 / FLOAT4_E2M1_MAX
+#: Smallest normal float32: ``.ftz`` instructions read and write anything
+#: smaller as zero.
+_F32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _rcp_ftz(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``1 / x`` with subnormal inputs and results flushed to zero, as
+    PTX's ``rcp.approx.ftz.f32`` (modelled correctly rounded; the hardware's
+    approximation is within one ulp)."""
+    x = torch.where(x.abs() < _F32_TINY, torch.zeros_like(x), x)
+    r = 1.0 / x
+    return torch.where(r.abs() < _F32_TINY, torch.zeros_like(r), r)
+
+
+def quantize_nvfp4_b12x_activation(
+    x: torch.Tensor,
+    input_scale: torch.Tensor | float,
+    *,
+    fast_math: bool = True,
+    scales_are_reciprocal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations ``x`` [..., K] to NVFP4 as FlashInfer 0.7.4's b12x
+    W4A4 MoE kernels do, operation for operation in float32.
+
+    Read from FlashInfer 0.7.4: ``flashinfer/cute_dsl/fp4_common.py``,
+    ``quantize_block_fp4_fast`` (``fast_math=True``, the wrapper's default)
+    and ``quantize_block_fp4``, as called for FC1's input (``input_global_scale
+    [expert]``, or ``w1_alpha[expert]`` without it) and FC2's input
+    (``fc2_input_scale[expert]``, in ``moe_static_kernel.py``,
+    ``quantize_q1_sC_to_sA_sSFA``; the micro and dynamic kernels call the same
+    functions). For one 16-element block with ``m = max |x|`` and the API scale
+    ``d`` (``1 / d`` first when ``scales_are_reciprocal``, the kernels'
+    ``input_scales_are_reciprocal``)::
+
+        fast:    g = rcp(d); s = g * (m * rcp(6)); inv = rcp(e4m3(s)) * g
+        precise: s = m / (6 * d);                  inv = 1 / (e4m3(s) * d)
+        block scale = e4m3(min(s, 448)) (round to nearest even, saturating)
+        codes = e2m1(x * inv)          (round to nearest even, saturating at 6)
+
+    ``d`` is so the DEQUANTIZATION-direction global scale (``amax / (448 *
+    6)``, ModelOpt's ``input_scale``): the MMA reads ``codes * block_scale``,
+    about ``x / d``, and the kernel multiplies the GEMM's output by ``d``
+    through its alpha. A block whose scale rounds to 0 (``m / d`` below about
+    ``6 * 2^-10``) gets codes 0. ``rcp`` is modelled as a correctly rounded
+    reciprocal that flushes subnormals (``rcp.approx.ftz.f32``); on the GPU
+    it is within one ulp, so a value within an ulp of an E4M3 or E2M1
+    rounding boundary may round the other way there. NaN inputs are not
+    modelled.
+
+    Args:
+        x: bfloat16, float16 or float32, K a multiple of 16 (the kernels read
+            BF16: round first to model them).
+        input_scale: ``d``, finite and positive: a scalar, or one per leading
+            index (per expert for x of shape [E, T, K]).
+        fast_math: the kernels' ``fast_math`` flag.
+        scales_are_reciprocal: ``input_scale`` holds ``1 / d``.
+
+    Returns:
+        ``(packed, block_scale)``: uint8 [..., K/2] and float8_e4m3fn
+        [..., K/16], linear layout. ``dequantize_nvfp4(packed, block_scale,
+        1.0)`` is the MMA's operand (about ``x / d``).
+
+    Raises:
+        TypeError: ``x`` of another dtype.
+        ValueError: K not a multiple of 16; ``input_scale`` not finite and
+            positive, or of a shape that does not broadcast per leading index.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK_SIZE != 0:
+        raise ValueError(
+            f"x's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, got "
+            f"shape {tuple(x.shape)}"
+        )
+    d = _per_leading(input_scale, x).unsqueeze(-1)
+    if not (torch.isfinite(d).all() and (d > 0).all()):
+        raise ValueError(f"input_scale must be finite and positive, got {input_scale}")
+    if scales_are_reciprocal:
+        d = _rcp_ftz(d) if fast_math else 1.0 / d
+    blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., K/16, 16]
+    block_max = blocks.abs().amax(dim=-1, keepdim=True)  # [..., K/16, 1]
+    if fast_math:
+        g = _rcp_ftz(d)
+        scale = g * (block_max * _RCP_E2M1_MAX)
+    else:
+        scale = block_max / (FLOAT4_E2M1_MAX * d)
+    scale_fp8 = torch.fmin(scale, torch.tensor(FLOAT8_E4M3_MAX)).to(torch.float8_e4m3fn)
+    qs = scale_fp8.float()
+    if fast_math:
+        inv = _rcp_ftz(qs) * g
+    else:
+        inv = 1.0 / torch.where(qs > 0, qs * d, torch.ones_like(qs))
+    inv = torch.where((qs > 0) & (d > 0), inv, torch.zeros_like(inv))
+    codes = e2m1_encode((blocks * inv).flatten(-2))
+    # A zero block scale stores all-zero bytes (no sign bits either).
+    codes = torch.where(
+        (inv > 0).expand_as(blocks).flatten(-2), codes, torch.zeros_like(codes)
+    )
+    return pack_fp4(codes), scale_fp8.squeeze(-1)
 
 
 def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
