@@ -26,6 +26,7 @@ import types
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe, torch_topk
 from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
@@ -34,7 +35,6 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import torch_moe, torch_topk
 from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     _b12x_activation_scales,

@@ -5,6 +5,7 @@
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe
 from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
@@ -14,7 +15,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import DEVICES, bytes_of, random_bits, torch_moe
+from tests.kernels.utils import DEVICES, bytes_of, random_bits
 from vllm.benchmarks.legacy_moe_prep import (
     legacy_fold,
     legacy_preparation_steps,
