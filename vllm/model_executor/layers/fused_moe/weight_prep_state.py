@@ -99,7 +99,8 @@ class MoEWeightPrepState:
             parameter replaced by the caller loses it.
         fingerprints: parameter name -> fingerprint when the preparation
             finished (storage, offset, shape, strides, dtype, ``_version``).
-        checksums: parameter name -> :func:`weight_checksum` when prepared
+        checksums: parameter name -> ``weight_prep_guard.weight_checksum`` when
+            prepared
             (only with ``VLLM_MOE_PREP_VERIFY=1``).
         folds: block-scale parameter name -> [E, G] float32 factor folded
             into its FP8 values (absent: 1). In the load layout the global
@@ -114,9 +115,9 @@ class MoEWeightPrepState:
         writes_since_prepared: weight_loader wrote since the last
             preparation (a failure then tears the layer).
         loader_writes: names of parameters a guarded ``weight_loader``
-            attribute (:func:`guard_weight_loaders`) wrote into while the
-            layer was not in the load layout: their bytes are not the
-            layout the state describes.
+            attribute (``weight_prep_guard.guard_weight_loaders``) wrote
+            into while the layer was not in the load layout: their bytes
+            are not the layout the state describes.
         lock: the layer's re-entrant lock (not copied: a copy gets its own).
     """
 
