@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.weight_prep_steps import w13_rows
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    w13_rows,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     mma_layout_to_linear,

@@ -151,6 +151,47 @@ def test_second_preparation_is_a_no_op(shape):
     assert torch.equal(layer(x, logits), out)
 
 
+@pytest.mark.parametrize("quant_mode", ["w4a4", "w4a16"])
+def test_steps_run_one_by_one_in_order_equal_the_whole_preparation(quant_mode):
+    # The public sequence (what the steps benchmark times): each entry runs
+    # its own step only, recorded; together they are the preparation.
+    shape = SHAPES[2]  # W4A16: w13 rows a multiple of 64
+    whole = _prepare(_layer(shape, _tensors(*shape, seed=1), quant_mode=quant_mode))
+    layer = _layer(shape, _tensors(*shape, seed=1), quant_mode=quant_mode)
+    steps = layer.quant_method.preparation_steps(layer)
+    state = layer.weight_prep_state
+    names = [n for n, _ in steps]
+    for i, (name, step) in enumerate(steps):
+        step()
+        assert state.done == names[: i + 1], name
+        if i < len(steps) - 1:
+            assert state.status is PrepStatus.PREPARING
+    assert state.status is PrepStatus.PREPARED
+    _assert_same(_snapshot(layer), _snapshot(whole))
+
+
+@pytest.mark.parametrize("quant_mode", ["w4a4", "w4a16"])
+def test_a_step_before_its_predecessor_is_refused_and_changes_nothing(quant_mode):
+    # Control of the test above: a later step does not silently run the
+    # earlier ones, it refuses naming the step it waits for.
+    shape = SHAPES[2]  # W4A16: w13 rows a multiple of 64
+    layer = _layer(shape, _tensors(*shape, seed=1), quant_mode=quant_mode)
+    experts = layer.quant_method.experts_for(layer)
+    names = [n for n, _ in experts.preparation_steps(layer)]
+    before = {n: bytes_of(p.detach()).clone() for n, p in layer.named_parameters()}
+    with pytest.raises(RuntimeError, match=f"runs after {names[1]!r}"):
+        experts.run_preparation_step(layer, names[2])
+    assert layer.weight_prep_state.status is PrepStatus.LOADING
+    for n, p in layer.named_parameters():
+        assert torch.equal(bytes_of(p.detach()), before[n]), n
+    experts.run_preparation_step(layer, names[0])
+    with pytest.raises(RuntimeError, match=f"runs after {names[1]!r}"):
+        experts.run_preparation_step(layer, names[2])
+    assert layer.weight_prep_state.done == names[:1]
+    with pytest.raises(ValueError, match="unknown preparation step 'nope'"):
+        experts.run_preparation_step(layer, "nope")
+
+
 def test_direct_write_into_a_prepared_layer_is_refused():
     # Copying checkpoint-layout tensors straight into a prepared layer would
     # leave unswizzled bytes in a layer that says "prepared": refused loudly.

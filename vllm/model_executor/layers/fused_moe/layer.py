@@ -26,16 +26,24 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEParallelConfig,
 )
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
+    after_copy,
+    copy_facts,
+)
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
-    adopt_extra_state,
     get_prep_state,
+)
+from vllm.model_executor.layers.fused_moe.weight_prep_state_dict import (
+    adopt_extra_state,
     layout_extra_state,
-    reload_slots,
     state_dict_problem,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    reload_slots,
 )
 
 __all__ = ["FusedMoE"]
@@ -453,7 +461,7 @@ class FusedMoE(torch.nn.Module):
         state = d.get("weight_prep_state")
         if state is not None:
             with state.lock:
-                d["_prep_copy_facts"] = state.copy_facts(self)
+                d["_prep_copy_facts"] = copy_facts(state, self)
         return d
 
     def __setstate__(self, d: dict) -> None:
@@ -464,11 +472,11 @@ class FusedMoE(torch.nn.Module):
             if state.status is PrepStatus.PREPARED:
                 # The kernel's views of the copy's own parameters.
                 self.quant_method.experts.bind_prepared(self)
-            state.after_copy(self, facts)
+            after_copy(state, self, facts)
 
     def get_extra_state(self) -> dict:
         """The layout of the parameters' bytes, saved in ``state_dict()``
-        beside them (see ``weight_prep_state.layout_extra_state``)."""
+        beside them (see ``weight_prep_state_dict.layout_extra_state``)."""
         return layout_extra_state(self)
 
     def set_extra_state(self, extra: Any) -> None:

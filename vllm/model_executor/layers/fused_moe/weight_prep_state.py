@@ -27,59 +27,36 @@ itself must know which layout its bytes are in::
   trusted (parameters replaced or converted, e.g. ``layer.to(bf16)``), is
   *torn*: preparing it is refused until every (expert, row group) slot of
   every required parameter has been written again (:meth:`mark_torn`).
-* **Guard.** A PREPARED layer records each parameter's fingerprint (storage,
-  offset, shape, strides, dtype, ``_version``) and, with
-  ``VLLM_MOE_PREP_VERIFY=1``, a checksum of its bytes; writes that bypass
-  the loader are refused at ``forward`` and at a re-preparation. A
-  parameter's own ``weight_loader`` attribute (vLLM's ``RoutedExperts``
-  loader, which writes ``param.data[...]``: no version counter moves) is
-  wrapped by :func:`guard_weight_loaders`: a write through it into a layer
-  that is not in the load layout is recorded and refused the same way.
+* **Guard.** Writes that bypass the loader into a PREPARED layer are
+  refused at ``forward`` and at a re-preparation
+  (:mod:`~vllm.model_executor.layers.fused_moe.weight_prep_guard`; the
+  records are fields here).
+
+The steps themselves and their runner:
+:mod:`~vllm.model_executor.layers.fused_moe.weight_prep_steps`; the layout
+a state dict carries: :mod:`~vllm.model_executor.layers.fused_moe.
+weight_prep_state_dict`.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
-import inspect
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
-    blockscale_storage_for_swizzle,
-)
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
-    env_int,
 )
 
 __all__ = [
-    "REQUIRED_SUFFIXES",
     "MoEWeightPrepState",
     "PrepStatus",
-    "adopt_extra_state",
     "get_prep_state",
-    "guard_weight_loaders",
-    "layout_extra_state",
-    "load_layout_data",
-    "nvfp4_moe_param_specs",
-    "reload_slots",
-    "state_dict_problem",
     "wait_for_step",
-    "weight_checksum",
 ]
-
-#: Parameters a complete reload must write, per prefix (``w13_``, ``w2_``):
-#: input scales are optional in checkpoints (b12x quantizes dynamically).
-REQUIRED_SUFFIXES = ("weight", "weight_scale", "weight_scale_2")
-
-# 2^16 - 15, the largest prime below 2^16: position weights of the checksum.
-_CHECKSUM_MOD = 65521
-_CHECKSUM_CHUNK = 1 << 16
 
 
 def wait_for_step(device: torch.device) -> None:
@@ -103,25 +80,6 @@ class PrepStatus(enum.Enum):
     RESTORING = "restoring"  # returning to the load layout (maybe interrupted)
 
 
-def weight_checksum(t: torch.Tensor) -> tuple[int, int]:
-    """(sum of bytes, position-weighted sum of bytes) of ``t``: a permutation
-    of rows or halves changes the second. Bounded memory: chunks of 64 Ki
-    bytes (about 1.5 MiB of int64 transients)."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    plain = weighted = 0
-    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
-        chunk = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
-        pos = torch.arange(start, start + chunk.numel(), device=chunk.device)
-        plain += int(chunk.sum())
-        weighted += int((chunk * (pos % _CHECKSUM_MOD + 1)).sum())
-    return plain, weighted
-
-
-def _fingerprint(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-            tuple(t.stride()), t.dtype, t.device, t._version)  # fmt: skip
-
-
 @dataclass
 class MoEWeightPrepState:
     """Bookkeeping of one layer's preparation (``layer.weight_prep_state``).
@@ -141,7 +99,8 @@ class MoEWeightPrepState:
             parameter replaced by the caller loses it.
         fingerprints: parameter name -> fingerprint when the preparation
             finished (storage, offset, shape, strides, dtype, ``_version``).
-        checksums: parameter name -> :func:`weight_checksum` when prepared
+        checksums: parameter name -> ``weight_prep_guard.weight_checksum`` when
+            prepared
             (only with ``VLLM_MOE_PREP_VERIFY=1``).
         folds: block-scale parameter name -> [E, G] float32 factor folded
             into its FP8 values (absent: 1). In the load layout the global
@@ -156,9 +115,9 @@ class MoEWeightPrepState:
         writes_since_prepared: weight_loader wrote since the last
             preparation (a failure then tears the layer).
         loader_writes: names of parameters a guarded ``weight_loader``
-            attribute (:func:`guard_weight_loaders`) wrote into while the
-            layer was not in the load layout: their bytes are not the
-            layout the state describes.
+            attribute (``weight_prep_guard.guard_weight_loaders``) wrote
+            into while the layer was not in the load layout: their bytes
+            are not the layout the state describes.
         lock: the layer's re-entrant lock (not copied: a copy gets its own).
     """
 
@@ -192,26 +151,6 @@ class MoEWeightPrepState:
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
         self.lock = threading.RLock()
-
-    def copy_facts(self, layer: torch.nn.Module) -> dict:
-        """What a faithful copy of ``layer`` may take over: which scale
-        storages have recorded room, and whether the prepared bytes are
-        untouched (checked on the original, before it is copied)."""
-        room = [n for n in self.padded_storage
-                if self.has_storage_room(n, getattr(layer, n))]  # fmt: skip
-        clean = self.status is not PrepStatus.PREPARED or not self.changed(layer)
-        return {"room": room, "clean": clean}
-
-    def after_copy(self, layer: torch.nn.Module, facts: dict) -> None:
-        """Re-key the records on the copy's own storages (see copy_facts)."""
-        self.padded_storage = {}
-        for n in facts["room"]:
-            self.record_storage_room(n, getattr(layer, n))
-        if self.status is PrepStatus.PREPARED:
-            if facts["clean"]:
-                self.record_prepared(layer)
-            else:  # modified before the copy: the copy refuses like the original
-                self.fingerprints = dict.fromkeys(self.fingerprints)
 
     # -- steps -----------------------------------------------------------------
     def begin(self, status: PrepStatus) -> None:
@@ -250,61 +189,6 @@ class MoEWeightPrepState:
     def has_storage_room(self, name: str, t: torch.Tensor) -> bool:
         s = t.untyped_storage()
         return self.padded_storage.get(name) == (s.data_ptr(), s.nbytes())
-
-    # -- the guard of a prepared layer -------------------------------------------
-    def record_prepared(self, layer: torch.nn.Module) -> None:
-        """Fingerprint (and with VLLM_MOE_PREP_VERIFY, checksum) every
-        parameter of a layer just prepared."""
-        params = dict(layer.named_parameters())
-        self.fingerprints = {n: _fingerprint(p) for n, p in params.items()}
-        self.checksums = (
-            {n: weight_checksum(p) for n, p in params.items()}
-            if env_int("VLLM_MOE_PREP_VERIFY", 0)
-            else {}
-        )
-
-    def changed(self, layer: torch.nn.Module) -> dict[str, str]:
-        """Parameter name -> how it changed since the preparation finished."""
-        out = {
-            n: "written through its weight_loader after the preparation began"
-            for n in sorted(self.loader_writes)
-        }
-        params = dict(layer.named_parameters())
-        for n, fp in self.fingerprints.items():
-            if n in out:
-                continue
-            p = params.get(n)
-            if p is None or fp is None:
-                out[n] = "replaced"
-                continue
-            now = _fingerprint(p)
-            if now[:6] != fp[:6]:
-                out[n] = "replaced (param.data = ..., .to(), ...)"
-            elif now[6] != fp[6]:
-                out[n] = "modified in place"
-        if env_int("VLLM_MOE_PREP_VERIFY", 0):
-            for n, want in self.checksums.items():
-                if n not in out and n in params and weight_checksum(params[n]) != want:
-                    out[n] = "modified in place (bytes differ: param.data.copy_?)"
-        return out
-
-    def check_unchanged(self, layer: torch.nn.Module) -> None:
-        """RuntimeError if a prepared layer's parameters were written or
-        replaced other than through ``weight_loader`` (``param.copy_``,
-        ``param.data = ...``; ``param.data.copy_`` with
-        ``VLLM_MOE_PREP_VERIFY=1``): their bytes are then not what the
-        kernel's views describe while the layer says prepared."""
-        changed = self.changed(layer)
-        if changed:
-            what = ", ".join(f"{n} {how}" for n, how in changed.items())
-            raise RuntimeError(
-                f"parameters of a prepared MoE layer were modified in place or "
-                f"replaced after its preparation ({what}); load new weights through "
-                "FusedMoE.weight_loader (or NVFP4MoECheckpoint.load_layer), which "
-                "returns the layer to its load layout first, or call the experts' "
-                "restore_load_layout(layer) before loading through another "
-                "weight_loader, then call process_weights_after_loading again"
-            )
 
     # -- torn reloads ----------------------------------------------------------
     def mark_torn(self, slots: dict[str, tuple[int, int]], reason: str) -> None:
@@ -348,218 +232,3 @@ def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
         state = MoEWeightPrepState()
         layer.weight_prep_state = state
     return state
-
-
-def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None:
-    """(local expert, row group) a ``weight_loader(param, loaded_weight,
-    weight_name, shard_id, expert_id, ...)`` call writes, or None."""
-    args = bound.arguments
-    shard, expert = args.get("shard_id"), args.get("expert_id")
-    if not isinstance(expert, int) or shard not in ("w1", "w2", "w3"):
-        return None
-    to_local = getattr(layer, "_map_global_expert_id_to_local_expert_id", None)
-    local = to_local(expert) if to_local is not None else expert
-    if local is None or local < 0:
-        return None
-    first = "w3" if get_prep_state(layer).load_w3w1 else "w1"
-    group = 0 if shard in ("w2", first) or not name.startswith("w13_") else 1
-    return local, group
-
-
-class _GuardedWeightLoader:
-    """A parameter's ``weight_loader`` that records writes into a layer that
-    is not in the load layout (see :func:`guard_weight_loaders`). An object
-    rather than a closure, so that a copy of the layer (``copy.deepcopy``,
-    pickling) gets a loader of its own copy: its fields are copied with it,
-    as a bound method of the layer would be."""
-
-    _moe_prep_guarded = True
-
-    def __init__(self, layer: torch.nn.Module, name: str, loader: Callable):
-        self.layer, self.name, self.loader = layer, name, loader
-        # __wrapped__ (the loader), its name and doc: vLLM's layerwise
-        # reload reads the loader's signature, which inspect finds through
-        # __wrapped__.
-        functools.update_wrapper(self, loader)
-
-    def __call__(self, *args, **kwargs):
-        layer, name, loader = self.layer, self.name, self.loader
-        state = get_prep_state(layer)
-        with state.lock:  # never beside a preparation, restore or forward
-            try:
-                result = loader(*args, **kwargs)
-            finally:
-                # A loader that restored the load layout first (this tree's
-                # FusedMoE) leaves the layer LOADING; one that wrote into a
-                # prepared layer (vLLM's, through param.data) does not.
-                if state.status is not PrepStatus.LOADING:
-                    state.loader_writes.add(name)
-            if state.torn and result is not False:
-                try:
-                    bound = inspect.signature(loader).bind(*args, **kwargs)
-                    slot = _slot_of(layer, name, bound)
-                except TypeError:
-                    slot = None
-                if slot is not None:
-                    state.clear_slot(name, *slot)
-        return result
-
-
-def guard_weight_loaders(layer: torch.nn.Module) -> None:
-    """Wrap the ``weight_loader`` attribute of each of ``layer``'s own
-    parameters (once) so that a write through it while the layer is not in
-    the load layout (PREPARING, PREPARED, RESTORING) is recorded in
-    ``state.loader_writes``: ``check_unchanged`` (the forward's guard and a
-    re-preparation) then refuses the layer, and a restore resets it (torn)
-    instead of undoing the preparation on mixed bytes. Writes into a torn
-    layer in the load layout clear their (expert, shard) slot. vLLM's own
-    loaders write ``param.data[...]``, which moves no version counter; the
-    wrapper keeps the loader's signature (``functools.wraps``), as vLLM's
-    layerwise reload reads it."""
-    for name, param in layer.named_parameters(recurse=False):
-        loader = getattr(param, "weight_loader", None)
-        if loader is None or getattr(loader, "_moe_prep_guarded", False):
-            continue
-        param.weight_loader = _GuardedWeightLoader(layer, name, loader)
-
-
-def nvfp4_moe_param_specs(moe) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of a layer's NVFP4 parameters in the load
-    layout, for a ``FusedMoEConfig`` ``moe`` (rows = 2I gated, I otherwise)."""
-    e, h = moe.num_local_experts, moe.hidden_dim
-    i = moe.intermediate_size_per_partition
-    groups = moe.w13_num_shards
-    rows = groups * i
-    return {
-        "w13_weight": ((e, rows, h // 2), torch.uint8),
-        "w13_weight_scale": ((e, rows, h // 16), torch.float8_e4m3fn),
-        "w13_weight_scale_2": ((e, groups), torch.float32),
-        "w13_input_scale": ((e, groups), torch.float32),
-        "w2_weight": ((e, h, i // 2), torch.uint8),
-        "w2_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
-        "w2_weight_scale_2": ((e,), torch.float32),
-        "w2_input_scale": ((e,), torch.float32),
-    }
-
-
-def load_layout_data(name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                     swizzles_block_scales: bool,
-                     state: MoEWeightPrepState) -> torch.Tensor:  # fmt: skip
-    """New data for parameter ``name`` in the load layout (on the current
-    default device): block scales a swizzling backend prepares get storage
-    with room for the swizzled, padded scales (recorded in ``state``, so the
-    preparation swizzles in place whatever the shape); float32 global and
-    input scales are 1 (a checkpoint may omit input scales: b12x quantizes
-    activations dynamically); everything else 0."""
-    if name.endswith("_weight_scale") and swizzles_block_scales:
-        data = blockscale_storage_for_swizzle(*shape)
-        state.record_storage_room(name, data)
-        return data
-    if dtype == torch.float32:
-        return torch.ones(shape, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
-
-
-def reload_slots(moe) -> dict[str, tuple[int, int]]:
-    """Name -> (experts, row groups) of the slots a complete reload writes:
-    one per expert and shard (w1 / w3 of w13, w2) of each required
-    parameter (:data:`REQUIRED_SUFFIXES`)."""
-    groups = moe.w13_num_shards
-    return {
-        f"{prefix}_{suffix}": (moe.num_local_experts, groups if prefix == "w13" else 1)
-        for prefix in ("w13", "w2")
-        for suffix in REQUIRED_SUFFIXES
-    }
-
-
-# -- state dicts: the layout travels with the tensors ----------------------------
-
-_EXTRA_STATE_FORMAT = 1
-
-
-def layout_extra_state(layer: torch.nn.Module) -> dict:
-    """A ``FusedMoE``'s ``get_extra_state()``: whether its bytes are prepared,
-    how w13 is ordered, what is folded into the block scales, whether it is
-    torn. RuntimeError for a layer whose preparation or restore is
-    unfinished."""
-    state = get_prep_state(layer)
-    with state.lock:
-        if state.status in (PrepStatus.PREPARING, PrepStatus.RESTORING):
-            raise RuntimeError(
-                "state_dict() of a MoE layer whose preparation or restore was "
-                "interrupted: call process_weights_after_loading first"
-            )
-        return {
-            "format": _EXTRA_STATE_FORMAT,
-            "status": state.status.value,
-            "w13_loaded_as_w3w1": bool(layer.w13_loaded_as_w3w1),
-            "load_w3w1": state.load_w3w1,
-            "moe_backend": layer.moe_backend,
-            "global_scale_mode": _global_scale_mode(layer),
-            "folds": {k: v.clone() for k, v in state.folds.items()},
-            "global_scales": {k: v.clone() for k, v in state.global_scales.items()},
-            "torn": {k: v.clone() for k, v in state.torn.items()},
-            "torn_reason": state.torn_reason,
-        }
-
-
-def adopt_extra_state(layer: torch.nn.Module, extra: dict) -> None:
-    """Take over the layout of a state dict whose parameters were just copied
-    into ``layer`` (checked by :func:`state_dict_problem` first)."""
-    state = get_prep_state(layer)
-    layer.w13_loaded_as_w3w1 = extra["w13_loaded_as_w3w1"]
-    state.load_w3w1 = extra["load_w3w1"]
-    state.folds = {k: v.clone() for k, v in extra["folds"].items()}
-    state.global_scales = {k: v.clone() for k, v in extra["global_scales"].items()}
-    state.torn = {k: v.clone() for k, v in extra["torn"].items()}
-    state.torn_reason = extra["torn_reason"]
-    state.writes_since_prepared = False
-    if state.status is PrepStatus.PREPARED:
-        layer.quant_method.experts.bind_prepared(layer)
-        state.record_prepared(layer)
-
-
-def _global_scale_mode(layer: torch.nn.Module) -> str | None:
-    return getattr(layer.quant_method, "global_scale_mode", None)
-
-
-def state_dict_problem(layer: torch.nn.Module, state_dict, prefix: str) -> str | None:
-    """Why ``state_dict`` cannot be loaded into ``layer`` (nothing is written
-    then), or None: no layout saved, a prepared state dict into a layer
-    that is not prepared (or prepared for another backend or mode), a
-    tensor missing or of another shape or dtype."""
-    state = get_prep_state(layer)
-    extra = state_dict.get(prefix + "_extra_state")
-    if not isinstance(extra, dict) or extra.get("format") != _EXTRA_STATE_FORMAT:
-        return (
-            "the state dict carries no preparation layout (_extra_state): "
-            "whether its bytes are prepared cannot be told, so it is refused"
-        )
-    status = extra.get("status")
-    if status not in ("loading", "prepared"):
-        return f"unknown layout status {status!r}"
-    if status == "prepared":
-        mine = {"moe_backend": layer.moe_backend,
-                "global_scale_mode": _global_scale_mode(layer)}  # fmt: skip
-        for key, value in mine.items():
-            if extra[key] != value:
-                return f"prepared with {key} {extra[key]!r}, this layer has {value!r}"
-        if state.status is not PrepStatus.PREPARED:
-            return (
-                "a prepared state dict loads only into a prepared layer (its "
-                "bytes are in the kernel layout): call process_weights_after_"
-                "loading on this layer first, or save the state dict before "
-                "preparing"
-            )
-    specs = nvfp4_moe_param_specs(layer.moe_config) if status == "loading" else {}
-    for name, param in layer.named_parameters(recurse=False):
-        t = state_dict.get(prefix + name)
-        if t is None:
-            return f"{prefix + name} is missing"
-        shape, dtype = specs.get(name, (tuple(param.shape), param.dtype))
-        if (tuple(t.shape), t.dtype) != (tuple(shape), dtype):
-            return (
-                f"{prefix + name} is {t.dtype} {tuple(t.shape)}, expected "
-                f"{dtype} {tuple(shape)}"
-            )
-    return None

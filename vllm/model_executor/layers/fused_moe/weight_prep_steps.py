@@ -1,93 +1,81 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""What every b12x weight layout's preparation shares: the parameters the
-experts read, the checks before the first write, and the runner that records
-each step in the layer's :class:`~vllm.model_executor.layers.fused_moe.
-weight_prep_state.MoEWeightPrepState`."""
+"""The step machinery every b12x weight layout's preparation shares: the
+runner that records each step in the layer's
+:class:`~vllm.model_executor.layers.fused_moe.weight_prep_state.MoEWeightPrepState`,
+in an explicit order, and the way back to the load layout::
+
+    steps (the layout's, in order)       run_preparation_step(name): that
+    [validate, ..., finalize]            step only, once its predecessor is
+                                         done (RuntimeError otherwise)
+                                         run_preparation_steps: the rest
+    restore_load_layout:  exact (the layout's own inverse of each step
+                          done), or reset_load_layout (torn) when the bytes
+                          cannot be trusted
+
+Each layout keeps its steps beside their inverses
+(``experts/flashinfer_b12x_w4a4.py``, ``experts/flashinfer_b12x_w4a16.py``).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
+    changed_parameters,
+    check_unchanged,
+    record_prepared,
+)
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
     PrepStatus,
 )
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    check_load_layout,
+    load_layout_data,
+    load_layout_ok,
+    nvfp4_moe_param_specs,
+    reload_slots,
+)
+
+logger = init_logger(__name__)
 
 __all__ = [
     "PrepStep",
+    "WeightLayout",
     "check_global_scales",
-    "check_load_layout",
-    "expert_param_specs",
-    "load_layout_ok",
+    "finish_started_step",
     "replace_parameter",
-    "run_recorded_steps",
-    "w13_rows",
+    "reset_load_layout",
+    "restore_load_layout",
+    "run_preparation_step",
+    "run_preparation_steps",
 ]
 
 #: A named preparation step.
 PrepStep = tuple[str, Callable[[], None]]
 
 
-def w13_rows(moe: FusedMoEConfig) -> int:
-    """Rows of one expert's fused FC1 weight: 2I gated, I otherwise."""
-    return moe.w13_num_shards * moe.intermediate_size_per_partition
+class WeightLayout(Protocol):
+    """What the runner needs of a layout (``B12xW4A4Weights``,
+    ``B12xW4A16Weights``): its steps in order and its exact inverse."""
+
+    moe_config: FusedMoEConfig
+    swizzles_block_scales: bool
+
+    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]: ...
+
+    def restore_load_layout(
+        self, layer: torch.nn.Module, finish: Callable[[], None]
+    ) -> None: ...
 
 
-def expert_param_specs(
-    moe: FusedMoEConfig,
-) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Name -> (shape, dtype) of the parameters the b12x experts read and
-    rewrite, in the load layout (this rank's experts; rows = 2I gated, I
-    otherwise). ``w13_weight_scale_2`` holds one global scale per shard
-    ([E, 2] gated: w1's and w3's in load order); input scales are not
-    listed: the kernel quantizes its input itself."""
-    e, h = moe.num_local_experts, moe.hidden_dim
-    i, rows = moe.intermediate_size_per_partition, w13_rows(moe)
-    return {
-        "w13_weight": ((e, rows, h // 2), torch.uint8),
-        "w13_weight_scale": ((e, rows, h // 16), torch.float8_e4m3fn),
-        "w13_weight_scale_2": ((e, moe.w13_num_shards), torch.float32),
-        "w2_weight": ((e, h, i // 2), torch.uint8),
-        "w2_weight_scale": ((e, h, i // 16), torch.float8_e4m3fn),
-        "w2_weight_scale_2": ((e,), torch.float32),
-    }
-
-
-def _layout_problems(layer: torch.nn.Module, moe: FusedMoEConfig) -> list[str]:
-    problems = []
-    for name, (shape, dtype) in expert_param_specs(moe).items():
-        t = getattr(layer, name, None)
-        if t is None:
-            problems.append(f"{name} is missing")
-        elif t.dtype != dtype or tuple(t.shape) != shape:
-            problems.append(
-                f"{name} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}"
-            )
-    return problems
-
-
-def load_layout_ok(layer: torch.nn.Module, moe: FusedMoEConfig) -> bool:
-    """Whether every parameter the experts read has its load-layout shape
-    and dtype."""
-    return not _layout_problems(layer, moe)
-
-
-def check_load_layout(layer: torch.nn.Module, moe: FusedMoEConfig) -> None:
-    """ValueError naming each parameter whose shape or dtype is not the load
-    layout's (e.g. replaced, or converted by ``layer.to(dtype)``)."""
-    problems = _layout_problems(layer, moe)
-    if problems:
-        raise ValueError(
-            f"cannot prepare the MoE layer: {'; '.join(problems)}. Load the "
-            "weights again through the layer's weight_loader, which restores "
-            "the load layout"
-        )
-
-
+# -- helpers the layouts' steps share ------------------------------------------
 def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
     """Make ``value`` (e.g. a padded view of the same storage) the data of the
     parameter ``name``. The Parameter object stays the same, so references
@@ -126,58 +114,194 @@ def check_global_scales(
                 )
 
 
-def run_recorded_steps(
+# -- the way there ---------------------------------------------------------------
+def _enter(layer, state, moe, steps, restore, device) -> bool:
+    """Bring ``layer`` to where a step may run; False for a PREPARED layer
+    (only checked). From LOADING the first step (it validates) runs here,
+    while the layer is still LOADING, so a ValueError leaves it loadable
+    and untouched."""
+    if state.status is PrepStatus.PREPARED:
+        check_unchanged(state, layer)
+        return False
+    if state.loader_writes and state.status is PrepStatus.PREPARING:
+        # Resuming would run the remaining steps on a mix of layouts.
+        check_unchanged(state, layer)
+    if state.status is PrepStatus.RESTORING:
+        restore()
+    if state.status is PrepStatus.LOADING:
+        state.check_not_torn()
+        check_load_layout(layer, moe)
+        name, validate = steps[0]
+        validate()
+        state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+        state.mark_done(name, device, begin=PrepStatus.PREPARING)
+    return True
+
+
+def _finish_if_last(layer, state, steps) -> None:
+    if steps[-1][0] not in state.done:
+        return
+    state.status = PrepStatus.PREPARED
+    state.plans = {}
+    state.writes_since_prepared = False
+    record_prepared(state, layer)
+
+
+def run_preparation_steps(
     layer: torch.nn.Module,
     state: MoEWeightPrepState,
     moe: FusedMoEConfig,
     steps: list[PrepStep],
     restore: Callable[[], None],
-    through: str | None = None,
 ) -> None:
-    """Run ``steps`` on ``layer`` in order, each at most once per
-    preparation: a step recorded done is skipped, so a call after an
-    exception resumes where the last one stopped. ``through``: stop after
-    that step (a benchmark times the steps one by one this way); None: run
-    them all. The first step validates:
-    it runs while the layer is still LOADING, so a ValueError leaves it
-    loadable and untouched. Each step is recorded once the device finished
-    it (``state.mark_done``); the last one marks the layer PREPARED. A
-    PREPARED layer is only checked (``check_unchanged``); a RESTORING one is
-    first brought back to the load layout (``restore``). Holds the layer's
-    lock."""
-    if through is not None and through not in [name for name, _ in steps]:
-        raise ValueError(
-            f"unknown preparation step {through!r}; the steps are "
-            f"{[name for name, _ in steps]}"
-        )
+    """Run the ``steps`` not yet done on ``layer``, in order, each at most
+    once per preparation: a call after an exception resumes where the last
+    one stopped. Each step is recorded once the device finished it
+    (``state.mark_done``); the last one marks the layer PREPARED. A PREPARED
+    layer is only checked (``check_unchanged``); a RESTORING one is first
+    brought back to the load layout (``restore``). Holds the layer's lock."""
     # Read once: no torch call (a tensor attribute is one) between a step's
     # last write and its record, where an interrupt could land.
     device = layer.w13_weight.device
     with state.lock:
-        if state.status is PrepStatus.PREPARED:
-            state.check_unchanged(layer)
+        if not _enter(layer, state, moe, steps, restore, device):
             return
-        if state.loader_writes and state.status is PrepStatus.PREPARING:
-            # Resuming would run the remaining steps on a mix of layouts.
-            state.check_unchanged(layer)
-        if state.status is PrepStatus.RESTORING:
-            restore()
-        if state.status is PrepStatus.LOADING:
-            state.check_not_torn()
-            check_load_layout(layer, moe)
-            name, validate = steps[0]
-            validate()
-            state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
-            state.mark_done(name, device, begin=PrepStatus.PREPARING)
-        names = [name for name, _ in steps]
-        last = names.index(through) if through is not None else len(steps) - 1
-        for name, fn in steps[: last + 1]:
+        for name, fn in steps:
             if name not in state.done:
                 fn()
                 state.mark_done(name, device)
-        if last < len(steps) - 1:
+        _finish_if_last(layer, state, steps)
+
+
+def run_preparation_step(
+    layer: torch.nn.Module,
+    state: MoEWeightPrepState,
+    moe: FusedMoEConfig,
+    steps: list[PrepStep],
+    restore: Callable[[], None],
+    name: str,
+) -> None:
+    """Run the one step ``name`` of ``steps`` (a benchmark times them one by
+    one this way), recorded as :func:`run_preparation_steps` records it: a
+    step already done (or a PREPARED layer) is not run again; the last step
+    marks the layer PREPARED. ValueError for an unknown step; RuntimeError
+    when the step before ``name`` is not done: nothing runs then (the first
+    step runs from the load layout, each other one after its predecessor).
+    Holds the layer's lock."""
+    names = [n for n, _ in steps]
+    if name not in names:
+        raise ValueError(f"unknown preparation step {name!r}; the steps are {names}")
+    index = names.index(name)
+    device = layer.w13_weight.device
+    with state.lock:
+        after = names[index - 1] if index > 0 else None
+        if (
+            after is not None
+            and state.status is not PrepStatus.PREPARED
+            and (state.status is not PrepStatus.PREPARING or after not in state.done)
+        ):
+            raise RuntimeError(
+                f"preparation step {name!r} runs after {after!r}, which is not "
+                f"done (status {state.status.value}, done: {state.done}); the "
+                f"steps, in order: {names}"
+            )
+        if not _enter(layer, state, moe, steps, restore, device):
             return
-        state.status = PrepStatus.PREPARED
-        state.plans = {}
-        state.writes_since_prepared = False
-        state.record_prepared(layer)
+        if name not in state.done:
+            steps[index][1]()
+            state.mark_done(name, device)
+        _finish_if_last(layer, state, steps)
+
+
+def finish_started_step(
+    layer: torch.nn.Module,
+    state: MoEWeightPrepState,
+    steps: list[PrepStep],
+    device: torch.device,
+) -> None:
+    """Finish the step of an interrupted preparation that had started (its
+    cap was accepted), recorded; a step never started is not run."""
+    for name, step in steps:
+        if name not in state.done:
+            if state.started(name):
+                step()
+                state.mark_done(name, device)
+            break
+
+
+# -- the way back ----------------------------------------------------------------
+def reset_load_layout(
+    weights: WeightLayout, layer: torch.nn.Module, state: MoEWeightPrepState, reason
+) -> None:
+    """The load layout's shapes and dtypes, whatever the bytes; torn
+    (``weights``: the layer's ``B12xW4A4Weights`` or ``B12xW4A16Weights``)."""
+    for name, (shape, dtype) in nvfp4_moe_param_specs(weights.moe_config).items():
+        param = getattr(layer, name, None)
+        if not isinstance(param, torch.Tensor):
+            continue  # a method that keeps its input scales elsewhere
+        if param.dtype == dtype and tuple(param.shape) == shape:
+            continue
+        with torch.device(param.device):
+            if (
+                name.endswith("_weight_scale")
+                and weights.swizzles_block_scales
+                and param.dtype == dtype
+                and state.has_storage_room(name, param)
+            ):
+                data = torch.empty(0, dtype=dtype).set_(
+                    param.untyped_storage(), 0, shape
+                )
+            else:
+                data = load_layout_data(
+                    name, shape, dtype, weights.swizzles_block_scales, state
+                )
+        replace_parameter(layer, name, data)
+    if state.load_w3w1 is not None:
+        layer.w13_loaded_as_w3w1 = state.load_w3w1
+    state.begin(PrepStatus.LOADING)
+    state.undo, state.folds, state.global_scales = [], {}, {}
+    state.fingerprints, state.checksums = {}, {}
+    state.writes_since_prepared = False
+    state.loader_writes = set()
+    state.mark_torn(reload_slots(weights.moe_config), reason)
+
+
+def restore_load_layout(
+    weights: WeightLayout,
+    layer: torch.nn.Module,
+    state: MoEWeightPrepState,
+    finish: Callable[[], None],
+) -> None:
+    """Return ``layer``, from any state, to the layout its weight loader
+    writes: exactly (``weights.restore_load_layout``, the inverse of each
+    step done; ``finish`` completes an interrupted preparation where the
+    layout needs it) or, where the bytes cannot be trusted (parameters
+    modified, replaced or converted since the preparation) or the exact
+    restore fails, :func:`reset_load_layout` (torn). Holds the layer's
+    lock."""
+    with state.lock:
+        if state.status is PrepStatus.LOADING:
+            if not load_layout_ok(layer, weights.moe_config):
+                reset_load_layout(
+                    weights, layer, state, "parameters were replaced or converted"
+                )
+            return
+        if state.status is PrepStatus.PREPARED:
+            changed = changed_parameters(state, layer)
+        else:  # an interrupted preparation or restore: loader writes only
+            changed = {n: "written" for n in state.loader_writes}
+        if changed:
+            why = f"parameters changed after the preparation: {sorted(changed)}"
+            reset_load_layout(weights, layer, state, why)
+            return
+        try:
+            weights.restore_load_layout(layer, finish)
+        except Exception as err:  # noqa: BLE001 - the layer is reset, torn
+            logger.warning(
+                "restoring the MoE layer's load layout failed (%s); the "
+                "layer needs a complete reload",
+                err,
+            )
+            reset_load_layout(
+                weights, layer, state, f"restoring the load layout failed: {err}"
+            )

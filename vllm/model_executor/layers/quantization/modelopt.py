@@ -23,15 +23,16 @@ from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
     make_nvfp4_moe_quant_config,
     select_nvfp4_moe_backend,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import check_unchanged
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
-    load_layout_data,
-    nvfp4_moe_param_specs,
 )
-from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
-    PrepStep,
+from vllm.model_executor.layers.fused_moe.weight_prep_steps import PrepStep
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    load_layout_data,
     load_layout_ok,
+    nvfp4_moe_param_specs,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     NVFP4_BLOCK_SIZE,
@@ -318,11 +319,12 @@ class ModelOptNvFp4FusedMoE:
     def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
         """``process_weights_after_loading`` as named steps, in order (for
         benchmarks): the conversion and the kernel are built now (neither
-        moves a weight byte for b12x); each step runs the experts'
-        preparation through that step."""
+        moves a weight byte for b12x); each step runs that one step of the
+        experts' preparation, recorded (``experts.run_preparation_step``:
+        RuntimeError when the step before it is not done)."""
         experts = self.experts_for(layer)
         return [
-            (name, lambda name=name: experts.run_preparation(layer, through=name))
+            (name, lambda name=name: experts.run_preparation_step(layer, name))
             for name, _ in experts.preparation_steps(layer)
         ]
 
@@ -365,7 +367,7 @@ class ModelOptNvFp4FusedMoE:
 
     def _check_ready(self, layer: torch.nn.Module, state) -> None:
         if self.moe_kernel is not None and state.status is PrepStatus.PREPARED:
-            state.check_unchanged(layer)
+            check_unchanged(state, layer)
             return
         if state.status is PrepStatus.PREPARING:
             why = (

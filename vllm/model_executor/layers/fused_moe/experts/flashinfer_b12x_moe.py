@@ -10,7 +10,6 @@ import torch
 
 import vllm.envs as envs
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
@@ -26,10 +25,6 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     make_b12x_wrapper,
     warn_fold_fallback,
 )
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
-    reset_load_layout,
-    restore_exactly,
-)
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a4 import (
     B12xW4A4Tensors,
     B12xW4A4Weights,
@@ -43,15 +38,19 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceNoOP,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
+    check_unchanged,
+    guard_weight_loaders,
+)
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
-    guard_weight_loaders,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
-    load_layout_ok,
-    run_recorded_steps,
+    restore_load_layout,
+    run_preparation_step,
+    run_preparation_steps,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
@@ -64,8 +63,6 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kNvfp4Dynamic,
     kNvfp4Static,
 )
-
-logger = init_logger(__name__)
 
 #: How the weights' per-expert global scales reach the kernel (W4A4):
 #: "alpha" (default) keeps them as the kernel's alphas and every FP8 block
@@ -291,15 +288,13 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
 
     # -- weight preparation ---------------------------------------------------
     def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
-        """The preparation of ``layer`` as named steps, in the order
-        :meth:`process_weights_after_loading` runs them (see
+        """The preparation of ``layer`` as named steps, in the order they run
+        (the layout's own functions, unrecorded: run them through
+        :meth:`run_preparation_step`, or all through
         :meth:`run_preparation`)."""
         return self.weights.preparation_steps(layer)
 
-    def run_preparation(self, layer: torch.nn.Module, through: str | None = None):
-        """Run the preparation steps not yet done, in order, through the step
-        named ``through`` (all when None); binds the kernel's views once the
-        layer is prepared. Holds the layer's lock."""
+    def _run(self, layer: torch.nn.Module, run, *args) -> None:
         state = get_prep_state(layer)
         # A parameter's own weight_loader (vLLM's writes param.data, which
         # the version-counter guard cannot see) records writes into a layer
@@ -308,16 +303,29 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         # One thread setting for the whole preparation (moe_prep_threads):
         # switching it per step would cost a thread-team restart each time.
         with state.lock, moe_prep_threads(layer.w13_weight.device):
-            run_recorded_steps(
+            run(
                 layer,
                 state,
                 self.moe_config,
                 self.preparation_steps(layer),
                 lambda: self.restore_load_layout(layer),
-                through=through,
+                *args,
             )
             if state.status is PrepStatus.PREPARED:
                 self.bind_prepared(layer)
+
+    def run_preparation(self, layer: torch.nn.Module) -> None:
+        """Run the preparation steps not yet done, in order (a resume after an
+        exception); binds the kernel's views once the layer is prepared.
+        Holds the layer's lock."""
+        self._run(layer, run_preparation_steps)
+
+    def run_preparation_step(self, layer: torch.nn.Module, name: str) -> None:
+        """Run the one step ``name`` of :meth:`preparation_steps`, recorded;
+        RuntimeError when the step before it is not done (nothing runs then),
+        ValueError for an unknown name; a step done is not run again. The
+        last step binds the kernel's views. Holds the layer's lock."""
+        self._run(layer, run_preparation_step, name)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Prepare ``layer``'s NVFP4 parameters for b12x in place (see the
@@ -371,42 +379,9 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         state = get_prep_state(layer)
         with state.lock:
             self.drop_prepared()
-            if state.status is PrepStatus.LOADING:
-                if not load_layout_ok(layer, self.moe_config):
-                    reset_load_layout(
-                        self.weights,
-                        layer,
-                        state,
-                        "parameters were replaced or converted",
-                    )
-                return
-            if state.status is PrepStatus.PREPARED:
-                changed = state.changed(layer)
-            else:  # an interrupted preparation or restore: loader writes only
-                changed = {n: "written" for n in state.loader_writes}
-            if changed:
-                why = f"parameters changed after the preparation: {sorted(changed)}"
-                reset_load_layout(self.weights, layer, state, why)
-                return
-            try:
-                if self.weight_only:
-                    self.weights.restore_load_layout(
-                        layer, lambda: self.run_preparation(layer)
-                    )
-                else:
-                    restore_exactly(self.weights, layer, state)
-            except Exception as err:  # noqa: BLE001 - the layer is reset, torn
-                logger.warning(
-                    "restoring the MoE layer's load layout failed (%s); the "
-                    "layer needs a complete reload",
-                    err,
-                )
-                reset_load_layout(
-                    self.weights,
-                    layer,
-                    state,
-                    f"restoring the load layout failed: {err}",
-                )
+            restore_load_layout(
+                self.weights, layer, state, lambda: self.run_preparation(layer)
+            )
 
     # -- copies (copy.deepcopy, pickle, torch.save) --------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -432,14 +407,14 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             )
         state, layer = self._guard
         if self.prepared is None and state.status is PrepStatus.PREPARED:
-            state.check_unchanged(layer)
+            check_unchanged(state, layer)
             self.bind_prepared(layer)  # a copy of prepared experts
         if state.status is not PrepStatus.PREPARED:
             raise RuntimeError(
                 "the MoE layer's weights are not prepared (status "
                 f"{state.status.value}): call process_weights_after_loading"
             )
-        state.check_unchanged(layer)
+        check_unchanged(state, layer)
 
     # -- compute --------------------------------------------------------------
     def apply(

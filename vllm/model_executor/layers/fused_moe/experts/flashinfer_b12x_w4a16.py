@@ -44,7 +44,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
-    w13_rows,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
@@ -60,6 +59,9 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
     repack_w4a16_weight_,
     unpack_w4a16_blockscale_,
     unrepack_w4a16_weight_,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    w13_rows,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     W4A16_TILE_N,

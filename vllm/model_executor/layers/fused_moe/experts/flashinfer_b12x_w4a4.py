@@ -28,7 +28,11 @@ tensors the kernel reads, in bounded memory::
    scale's storage has room for it (else one new padded tensor);
 4. ``finalize``: nothing to write; the layer is PREPARED.
 
-Every step allocates at most ``max_transient_bytes``.
+The inverse (:meth:`B12xW4A4Weights.restore_load_layout`), exact from any
+step: unswizzle, reorder back to the [w1; w3] the layer was loaded with, the
+global scales as loaded (a fold is undone by the next preparation's
+``fold``: ``fold_to`` ones). Every step allocates at most
+``max_transient_bytes``.
 """
 
 from __future__ import annotations
@@ -42,30 +46,43 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_restore import (
-    fold_to,
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    MoEWeightPrepState,
+    PrepStatus,
+    get_prep_state,
 )
-from vllm.model_executor.layers.fused_moe.weight_prep_state import get_prep_state
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
+    finish_started_step,
     replace_parameter,
-    w13_rows,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
+    fold_global_scale_into_blockscale_,
+)
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
+    unswizzle_blockscale_bounded_,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
+    ALLOCATION_GRANULE,
+    allocation_bytes,
+    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    w13_rows,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
 
-__all__ = ["B12xW4A4Tensors", "B12xW4A4Weights"]
+__all__ = ["B12xW4A4Tensors", "B12xW4A4Weights", "fold_to"]
 
 
 @dataclass
@@ -161,7 +178,7 @@ class B12xW4A4Weights:
                     target, after = torch.ones_like(loaded), None  # undo a fold
                 else:
                     continue  # "alpha": no block scale is rewritten
-                fold_to(self, layer, state, prefix, target, after)
+                fold_to(cap, layer, state, prefix, target, after)
 
         @torch.no_grad()
         def reorder() -> None:
@@ -206,6 +223,61 @@ class B12xW4A4Weights:
             ("swizzle", swizzle),
             ("finalize", finalize),
         ]
+
+    def restore_load_layout(self, layer: torch.nn.Module, finish) -> None:
+        """The exact inverse of the steps done (see module doc), in place and
+        within the cap; resumable. Of an interrupted preparation only the
+        step in flight is finished (its cap was accepted): ``finish`` (the
+        whole preparation, which the W4A16 layout needs) is not called."""
+        state = get_prep_state(layer)
+        # Read once: nothing (not even a tensor attribute, a torch call that an
+        # interrupt may hit) stands between a step's last write and its record.
+        device = layer.w13_weight.device
+        if state.status is PrepStatus.PREPARING:
+            finish_started_step(layer, state, self.preparation_steps(layer), device)
+        if state.status in (PrepStatus.PREPARING, PrepStatus.PREPARED):
+            undo = list(state.done)
+            state.begin(PrepStatus.RESTORING)
+            state.undo = undo
+        cap = self.max_transient_bytes
+        with torch.no_grad(), moe_prep_threads(device):
+            for prefix in ("w13", "w2"):
+                name = f"{prefix}_weight_scale"
+                step = f"unswizzle.{name}"
+                if "swizzle" not in state.undo or step in state.done:
+                    continue
+                n_e, r, c = self.scale_geometry(prefix)
+                linear = unswizzle_blockscale_bounded_(
+                    getattr(layer, name),
+                    r,
+                    c,
+                    max_transient_bytes=cap,
+                    progress=state.progress_of(step),
+                )
+                replace_parameter(layer, name, linear)
+                state.mark_done(step, device)
+            if (
+                self.moe_config.is_act_and_mul
+                and "unreorder" not in state.done
+                and getattr(layer, "w13_loaded_as_w3w1", False) != state.load_w3w1
+            ):
+                # Back to the [w1; w3] the layer was loaded with: a loader
+                # copying checkpoint-layout tensors finds them where it wrote.
+                reorder_w1w3_to_w3w1(
+                    layer.w13_weight,
+                    layer.w13_weight_scale,
+                    dim=-2,
+                    max_transient_bytes=cap,
+                    progress=state.progress_of("unreorder"),
+                )
+                layer.w13_loaded_as_w3w1 = bool(state.load_w3w1)
+                state.mark_done("unreorder", device)
+            for name_2, loaded in state.global_scales.items():
+                param = getattr(layer, name_2)
+                param.copy_(loaded.reshape(param.shape))
+        state.global_scales = {}
+        state.undo = []
+        state.begin(PrepStatus.LOADING)
 
     def alphas(
         self, layer: torch.nn.Module, fc2_input_scale: torch.Tensor | None = None
@@ -300,3 +372,47 @@ class B12xW4A4Weights:
             fc1_input_scale=fc1_scale,
             fc2_input_scale=fc2_scale,
         )
+
+
+def fold_to(
+    max_transient_bytes: int,
+    layer: torch.nn.Module,
+    state: MoEWeightPrepState,
+    prefix: str,
+    target: torch.Tensor,
+    after: float | None,
+) -> None:
+    """Bring ``{prefix}_weight_scale`` to ``target`` [E, G] folded in (from
+    what ``state.folds`` says is folded now: ones undo a fold), then set the
+    global scale parameter to ``after`` (kept as loaded in
+    ``state.global_scales``; None: left as it is). Resumable: the plan is
+    made once per preparation."""
+    name, name_2 = f"{prefix}_weight_scale", f"{prefix}_weight_scale_2"
+    key = f"fold.{prefix}"
+    scale_2 = getattr(layer, name_2)
+    plan = state.plans.get(key)
+    if plan is None:
+        loaded = scale_2.detach().reshape(scale_2.shape[0], -1).clone()
+        now = state.folds.get(name)
+        factor = target / now if now is not None else target.clone()
+        plan = state.plans[key] = (loaded, factor, target.clone())
+    loaded, factor, target = plan
+    if bool((factor != 1).any()):
+        # The plan's [E, G] float32 tensors (and one comparison's result)
+        # count against the cap too, each as the CUDA allocator rounds it.
+        reserve = 4 * allocation_bytes(factor.numel() * 4) + ALLOCATION_GRANULE
+        cap = max(4, max_transient_bytes - reserve)
+        fold_global_scale_into_blockscale_(
+            getattr(layer, name),
+            factor.reshape(scale_2.shape),
+            max_transient_bytes=cap,
+            progress=state.progress_of(key),
+        )
+    if bool((target != 1).any()):
+        state.folds[name] = target
+    else:
+        state.folds.pop(name, None)
+    if after is not None:
+        state.global_scales.setdefault(name_2, loaded)
+        after = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
+        scale_2.copy_(after.expand_as(loaded).reshape(scale_2.shape))

@@ -29,6 +29,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     largest_block_within,
     run_chunks,
     tile_bytes,
+    unit_chunks,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
@@ -111,19 +112,6 @@ def _swap_chunk(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor) -> None:
         # a holds b's bytes and a's are only in tmp: put them back.
         a.copy_(tmp)
         raise
-
-
-def _swap_chunks(halves: torch.Tensor, cap: int) -> list[tuple[int, int, int, int]]:
-    """Chunks ``(row, n_rows, start, n_bytes)`` that swap ``halves`` [outer, 2,
-    L] through a buffer of ``cap`` bytes: several whole rows per chunk when a
-    row fits, else pieces of one row."""
-    outer, _, row = halves.shape
-    if row <= cap:
-        per = cap // row
-        return [(s, min(per, outer - s), 0, row) for s in range(0, outer, per)]
-    return [
-        (i, 1, s, min(cap, row - s)) for i in range(outer) for s in range(0, row, cap)
-    ]
 
 
 def reorder_w1w3_to_w3w1(
@@ -225,7 +213,12 @@ def reorder_w1w3_to_w3w1(
             weight.device,
             max_transient_bytes,
         )
-        chunks = [(h, c) for h in targets for c in _swap_chunks(h, buf_bytes)]
+        # Chunks (row, n rows, start, n bytes) of each [outer, 2, L] halves.
+        chunks = [
+            (h, c)
+            for h in targets
+            for c in unit_chunks(h.shape[0], h.shape[2], buf_bytes)
+        ]
         # The only allocation, made before any write: a failure mutates nothing.
         buf = torch.empty(buf_bytes, dtype=torch.uint8, device=weight.device)
 

@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The guard of a prepared MoE layer: writes that bypass the loader refused.
+
+A PREPARED layer records each parameter's fingerprint (storage, offset,
+shape, strides, dtype, ``_version``) and, with ``VLLM_MOE_PREP_VERIFY=1``, a
+checksum of its bytes (:func:`record_prepared`); :func:`check_unchanged`
+refuses the layer at ``forward`` and at a re-preparation when they moved. A
+parameter's own ``weight_loader`` attribute (vLLM's ``RoutedExperts``
+loader, which writes ``param.data[...]``: no version counter moves) is
+wrapped by :func:`guard_weight_loaders`: a write through it into a layer
+that is not in the load layout is recorded and refused the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    MoEWeightPrepState,
+    PrepStatus,
+    get_prep_state,
+)
+from vllm.model_executor.layers.quantization.utils.bounded_chunks import env_int
+
+__all__ = [
+    "after_copy",
+    "changed_parameters",
+    "check_unchanged",
+    "copy_facts",
+    "guard_weight_loaders",
+    "record_prepared",
+    "weight_checksum",
+]
+
+# 2^16 - 15, the largest prime below 2^16: position weights of the checksum.
+_CHECKSUM_MOD = 65521
+_CHECKSUM_CHUNK = 1 << 16
+
+
+def weight_checksum(t: torch.Tensor) -> tuple[int, int]:
+    """(sum of bytes, position-weighted sum of bytes) of ``t``: a permutation
+    of rows or halves changes the second. Bounded memory: chunks of 64 Ki
+    bytes (about 1.5 MiB of int64 transients)."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    plain = weighted = 0
+    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
+        chunk = flat[start : start + _CHECKSUM_CHUNK].to(torch.int64)
+        pos = torch.arange(start, start + chunk.numel(), device=chunk.device)
+        plain += int(chunk.sum())
+        weighted += int((chunk * (pos % _CHECKSUM_MOD + 1)).sum())
+    return plain, weighted
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    return (
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+        t.device,
+        t._version,
+    )
+
+
+def record_prepared(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
+    """Fingerprint (and with VLLM_MOE_PREP_VERIFY, checksum) every
+    parameter of a layer just prepared, into ``state``."""
+    params = dict(layer.named_parameters())
+    state.fingerprints = {n: _fingerprint(p) for n, p in params.items()}
+    state.checksums = (
+        {n: weight_checksum(p) for n, p in params.items()}
+        if env_int("VLLM_MOE_PREP_VERIFY", 0)
+        else {}
+    )
+
+
+def changed_parameters(
+    state: MoEWeightPrepState, layer: torch.nn.Module
+) -> dict[str, str]:
+    """Parameter name -> how it changed since the preparation finished."""
+    out = {
+        n: "written through its weight_loader after the preparation began"
+        for n in sorted(state.loader_writes)
+    }
+    params = dict(layer.named_parameters())
+    for n, fp in state.fingerprints.items():
+        if n in out:
+            continue
+        p = params.get(n)
+        if p is None or fp is None:
+            out[n] = "replaced"
+            continue
+        now = _fingerprint(p)
+        if now[:6] != fp[:6]:
+            out[n] = "replaced (param.data = ..., .to(), ...)"
+        elif now[6] != fp[6]:
+            out[n] = "modified in place"
+    if env_int("VLLM_MOE_PREP_VERIFY", 0):
+        for n, want in state.checksums.items():
+            if n not in out and n in params and weight_checksum(params[n]) != want:
+                out[n] = "modified in place (bytes differ: param.data.copy_?)"
+    return out
+
+
+def check_unchanged(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
+    """RuntimeError if a prepared layer's parameters were written or
+    replaced other than through ``weight_loader`` (``param.copy_``,
+    ``param.data = ...``; ``param.data.copy_`` with
+    ``VLLM_MOE_PREP_VERIFY=1``): their bytes are then not what the
+    kernel's views describe while the layer says prepared."""
+    changed = changed_parameters(state, layer)
+    if changed:
+        what = ", ".join(f"{n} {how}" for n, how in changed.items())
+        raise RuntimeError(
+            f"parameters of a prepared MoE layer were modified in place or "
+            f"replaced after its preparation ({what}); load new weights through "
+            "FusedMoE.weight_loader (or NVFP4MoECheckpoint.load_layer), which "
+            "returns the layer to its load layout first, or call the experts' "
+            "restore_load_layout(layer) before loading through another "
+            "weight_loader, then call process_weights_after_loading again"
+        )
+
+
+# -- copies (copy.deepcopy, pickle, torch.save) --------------------------------
+def copy_facts(state: MoEWeightPrepState, layer: torch.nn.Module) -> dict:
+    """What a faithful copy of ``layer`` may take over: which scale
+    storages have recorded room, and whether the prepared bytes are
+    untouched (checked on the original, before it is copied)."""
+    room = [
+        n for n in state.padded_storage if state.has_storage_room(n, getattr(layer, n))
+    ]
+    clean = state.status is not PrepStatus.PREPARED or not changed_parameters(
+        state, layer
+    )
+    return {"room": room, "clean": clean}
+
+
+def after_copy(state: MoEWeightPrepState, layer: torch.nn.Module, facts: dict) -> None:
+    """Re-key the records on the copy's own storages (see copy_facts)."""
+    state.padded_storage = {}
+    for n in facts["room"]:
+        state.record_storage_room(n, getattr(layer, n))
+    if state.status is PrepStatus.PREPARED:
+        if facts["clean"]:
+            record_prepared(state, layer)
+        else:  # modified before the copy: the copy refuses like the original
+            state.fingerprints = dict.fromkeys(state.fingerprints)
+
+
+# -- a parameter's own weight_loader -------------------------------------------
+def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None:
+    """(local expert, row group) a ``weight_loader(param, loaded_weight,
+    weight_name, shard_id, expert_id, ...)`` call writes, or None."""
+    args = bound.arguments
+    shard, expert = args.get("shard_id"), args.get("expert_id")
+    if not isinstance(expert, int) or shard not in ("w1", "w2", "w3"):
+        return None
+    to_local = getattr(layer, "_map_global_expert_id_to_local_expert_id", None)
+    local = to_local(expert) if to_local is not None else expert
+    if local is None or local < 0:
+        return None
+    first = "w3" if get_prep_state(layer).load_w3w1 else "w1"
+    group = 0 if shard in ("w2", first) or not name.startswith("w13_") else 1
+    return local, group
+
+
+class _GuardedWeightLoader:
+    """A parameter's ``weight_loader`` that records writes into a layer that
+    is not in the load layout (see :func:`guard_weight_loaders`). An object
+    rather than a closure, so that a copy of the layer (``copy.deepcopy``,
+    pickling) gets a loader of its own copy: its fields are copied with it,
+    as a bound method of the layer would be."""
+
+    _moe_prep_guarded = True
+
+    def __init__(self, layer: torch.nn.Module, name: str, loader: Callable):
+        self.layer, self.name, self.loader = layer, name, loader
+        # __wrapped__ (the loader), its name and doc: vLLM's layerwise
+        # reload reads the loader's signature, which inspect finds through
+        # __wrapped__.
+        functools.update_wrapper(self, loader)
+
+    def __call__(self, *args, **kwargs):
+        layer, name, loader = self.layer, self.name, self.loader
+        state = get_prep_state(layer)
+        with state.lock:  # never beside a preparation, restore or forward
+            try:
+                result = loader(*args, **kwargs)
+            finally:
+                # A loader that restored the load layout first (this tree's
+                # FusedMoE) leaves the layer LOADING; one that wrote into a
+                # prepared layer (vLLM's, through param.data) does not.
+                if state.status is not PrepStatus.LOADING:
+                    state.loader_writes.add(name)
+            if state.torn and result is not False:
+                try:
+                    bound = inspect.signature(loader).bind(*args, **kwargs)
+                    slot = _slot_of(layer, name, bound)
+                except TypeError:
+                    slot = None
+                if slot is not None:
+                    state.clear_slot(name, *slot)
+        return result
+
+
+def guard_weight_loaders(layer: torch.nn.Module) -> None:
+    """Wrap the ``weight_loader`` attribute of each of ``layer``'s own
+    parameters (once) so that a write through it while the layer is not in
+    the load layout (PREPARING, PREPARED, RESTORING) is recorded in
+    ``state.loader_writes``: :func:`check_unchanged` (the forward's guard and
+    a re-preparation) then refuses the layer, and a restore resets it (torn)
+    instead of undoing the preparation on mixed bytes. Writes into a torn
+    layer in the load layout clear their (expert, shard) slot. vLLM's own
+    loaders write ``param.data[...]``, which moves no version counter; the
+    wrapper keeps the loader's signature (``functools.wraps``), as vLLM's
+    layerwise reload reads it."""
+    for name, param in layer.named_parameters(recurse=False):
+        loader = getattr(param, "weight_loader", None)
+        if loader is None or getattr(loader, "_moe_prep_guarded", False):
+            continue
+        param.weight_loader = _GuardedWeightLoader(layer, name, loader)
