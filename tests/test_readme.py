@@ -84,6 +84,26 @@ def test_upstream_command_installs_files_that_exist_and_runs_tests_upstream_alon
     assert not re.search(r"^vllm\b", upstream_reqs, flags=re.M | re.I)
 
 
+def test_quantizers_command_builds_its_venv_and_runs_tests_quantizers():
+    (command,) = _marked_bash_block("quantizers-command").strip().splitlines()
+    steps = [step.strip() for step in command.split("&&")]
+    assert steps[0] == "python3 -m venv .venv-quantizers"
+    # torch alone first, from the CPU requirements, so pip keeps the CPU build.
+    assert steps[2] == "pip install --no-deps -r requirements/cpu-torch.txt"
+    for requirements in re.findall(r"-r (\S+)", command):
+        assert (ROOT / requirements).is_file(), requirements
+    assert steps[-1] == "pytest tests/quantizers"
+    assert ".venv-quantizers/" in (ROOT / ".gitignore").read_text().splitlines()
+    quantizers = (ROOT / "requirements/quantizers-cpu.txt").read_text()
+    assert re.search(r"^-r cpu\.txt$", quantizers, flags=re.M)  # the torch pin
+    # The skip reason of tests/quantizers points at this section.
+    from tests.quantizers.quantizer_env import QUANTIZERS_COMMAND
+
+    title = "## Checkpoints from the real quantizers (CPU)"
+    assert f"\n{title}\n" in README.read_text()
+    assert title in QUANTIZERS_COMMAND
+
+
 @pytest.mark.skipif(
     shutil.which("git") is None or not (ROOT / ".git").exists(),
     reason="not a git checkout",

@@ -54,6 +54,7 @@ __all__ = [
     "load_manifest",
     "main",
     "rewrite_metadata",
+    "splice_entry",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -473,45 +474,54 @@ def _lookup(fork: Path):
     return lookup
 
 
+def splice_entry(
+    entry: FileEntry, tree: Path, upstream: Path
+) -> tuple[str, fork_splice.FileReport, list[str] | None]:
+    """What the fork's file of one manifest entry is, from the branch's
+    ``tree`` and the unpacked release ``upstream``: (its text, the splice
+    report's entry, the names whose imports :func:`fork_splice.check_imports`
+    checks, or None for the whole file). Writes nothing; raises
+    :class:`BuildError` or :class:`fork_splice.SpliceError`."""
+    branch = _read(tree / entry.path)
+    ours = upstream / entry.path
+    theirs = _read(ours) if ours.is_file() else None
+    if entry.mode == "new":
+        if theirs is not None:
+            raise BuildError(
+                f"{entry.path} (new): upstream already has this file: use mode "
+                "splice or replace"
+            )
+        return branch, fork_splice.check_new(entry.path, branch), None
+    if theirs is None:
+        raise BuildError(
+            f"{entry.path} ({entry.mode}): upstream has no such file: use mode new"
+        )
+    if entry.mode == "replace":
+        report = fork_splice.check_replacement(entry.path, theirs, branch)
+        return branch, report, None
+    if entry.mode == "splice":
+        result, report = fork_splice.splice_definitions(
+            entry.path, theirs, branch, entry.definitions, entry.stand_ins
+        )
+    else:
+        result, report = fork_splice.splice_envs(
+            entry.path,
+            theirs,
+            branch,
+            entry.variables,
+            entry.definitions,
+            entry.stand_ins,
+        )
+    return result, report, [*entry.definitions, *report.imported_names]
+
+
 def _splice(
     manifest: Manifest, tree: Path, upstream: Path, fork: Path
 ) -> list[fork_splice.FileReport]:
     reports: list[fork_splice.FileReport] = []
     checks: list[tuple[str, str, list[str] | None]] = []
     for entry in manifest.files:
-        branch = _read(tree / entry.path)
-        ours = upstream / entry.path
-        theirs = _read(ours) if ours.is_file() else None
-        if entry.mode == "new":
-            if theirs is not None:
-                raise BuildError(
-                    f"{entry.path} (new): upstream already has this file: use mode "
-                    "splice or replace"
-                )
-            report = fork_splice.check_new(entry.path, branch)
-            result, names = branch, None
-        elif theirs is None:
-            raise BuildError(
-                f"{entry.path} ({entry.mode}): upstream has no such file: use mode new"
-            )
-        elif entry.mode == "replace":
-            report = fork_splice.check_replacement(entry.path, theirs, branch)
-            result, names = branch, None
-        elif entry.mode == "splice":
-            result, report = fork_splice.splice_definitions(
-                entry.path, theirs, branch, entry.definitions, entry.stand_ins
-            )
-            names = [*entry.definitions, *report.imported_names]
-        else:
-            result, report = fork_splice.splice_envs(
-                entry.path,
-                theirs,
-                branch,
-                entry.variables,
-                entry.definitions,
-                entry.stand_ins,
-            )
-            names = [*entry.definitions, *report.imported_names]
+        result, report, names = splice_entry(entry, tree, upstream)
         target = fork / entry.path
         target.parent.mkdir(parents=True, exist_ok=True)
         _write(target, result)

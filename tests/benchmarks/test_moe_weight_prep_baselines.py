@@ -7,6 +7,7 @@ precision report."""
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe
 from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
@@ -18,7 +19,7 @@ from tests.kernels.moe.utils import (
     split_cat_halves,
     whole_tensor_preparation,
 )
-from tests.kernels.utils import DEVICES, bytes_of, torch_moe
+from tests.kernels.utils import DEVICES, bytes_of
 from vllm.benchmarks.moe_weight_prep.baselines import (
     legacy_fold,
     legacy_preparation_steps,

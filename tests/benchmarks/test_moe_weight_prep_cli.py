@@ -207,8 +207,22 @@ def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, caps
             # layer of a shape is metered, the others are not paid for twice.
             metered = [r["peak_bytes"] is not None for r in steps.values()]
             assert all(metered) if i == 0 else not any(metered)
+    # The totals line compares the two variants' summed times, whatever they
+    # are (two within 5% read "as fast"): the phrase follows from the JSON.
+    total = {
+        v: result["summary"][v]["total"]["total_time_s"] for v in ("legacy", "bounded")
+    }
+    assert total["legacy"] > 0 and total["bounded"] > 0, total
+    ratio = total["legacy"] / total["bounded"]
+    if abs(ratio - 1) < 0.05:
+        phrase = "as fast"
+    elif ratio > 1:
+        phrase = f"{ratio:.1f}x faster"
+    else:
+        phrase = f"{1 / ratio:.1f}x slower"
     text = capsys.readouterr().out
-    assert "x faster)" in text or "x slower)" in text
+    totals = [line for line in text.splitlines() if line.startswith("totals: ")]
+    assert len(totals) == 1 and totals[0].endswith(f"(bounded {phrase})"), totals
 
 
 def test_busy_cores_start_and_stop():

@@ -295,6 +295,54 @@ def test_compressed_tensors_declarations(tmp_path, case):
     assert [ckpt.quant_mode(i) for i in LAYERS] == modes
 
 
+def _linears(layer, experts=12):
+    return [
+        f"model.layers.{layer}.mlp.experts.{e}.{p}"
+        for e in range(experts)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+# target of the W4A16 group (the W4A4 one is "Linear") -> the layers it
+# takes, of 1, 10 and 11. A ``re:`` pattern matches from the start of the
+# name and may end anywhere (re.match, as compressed-tensors does): a
+# pattern without ``.*`` in front takes nothing here. A plain name is one
+# module's exact name, never a prefix: "model.layers.1" (a prefix of every
+# linear of layers 1, 10 and 11) is no linear's name.
+CT_TARGETS = {
+    "re: unanchored tail": ([r"re:layers\.1\.mlp.*"], []),
+    "re: from the start": ([r"re:model\.layers\.1\..*"], [1]),
+    "re: .* in front": ([r"re:.*layers\.1\..*"], [1]),
+    "re: prefix of 10 and 11": ([r"re:model\.layers\.1.*"], [1, 10, 11]),
+    "re: open end": ([r"re:model\.layers\.1\.mlp"], [1]),
+    "plain module name": (["model.layers.1"], []),
+    "plain experts name": (["model.layers.1.mlp.experts"], []),
+    "plain linear names": (_linears(1), [1]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CT_TARGETS))
+def test_compressed_tensors_targets_match_as_compressed_tensors_does(case):
+    from pathlib import Path
+
+    from vllm.model_executor.model_loader.nvfp4_moe_quant_modes import (
+        compressed_tensors_expert_modes,
+    )
+
+    targets, w4a16_layers = CT_TARGETS[case]
+    qc = {
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"a": _group(["Linear"], NVFP4), "b": _group(targets)},
+    }
+    modes = compressed_tensors_expert_modes(qc, Path("config.json"), "qc")
+    got = [
+        layer
+        for layer in (1, 10, 11)
+        if modes.mode_of(f"model.layers.{layer}.mlp.experts", _linears(layer)) == W4A16
+    ]
+    assert got == w4a16_layers
+
+
 HF, CFG = "hf_quant_config.json", "config.json"
 # case -> (format, mutation, file named, message)
 BAD_DECLARATIONS = {

@@ -264,10 +264,10 @@ def _vllm_imports(path: Path) -> list[str]:
 def load_slice_module(relpath: str) -> ModuleType:
     """Load one file of this repository's slice, e.g.
     ``"vllm/utils/mem_utils.py"``, or of its test helpers outside this
-    directory (``"tests/kernels/utils.py"``: the reference MoE), as a module
-    named ``_slice_<path>`` (``_slice_vllm_utils_mem_utils``), without
-    putting the repository on ``sys.path``: the installed vllm stays what
-    ``import vllm`` loads.
+    directory (``"tests/kernels/moe/moe_reference.py"``: the reference
+    MoE), as a module named ``_slice_<path>``
+    (``_slice_vllm_utils_mem_utils``), without putting the repository on
+    ``sys.path``: the installed vllm stays what ``import vllm`` loads.
 
     Only for files that import nothing from vllm (pure torch and the
     standard library): a ``vllm`` import would bind the installed package's

@@ -136,7 +136,7 @@ E4M3_RELATIVE_ROUNDING = 2.0**-4
 
 _NVFP4_UTILS = "vllm/model_executor/layers/quantization/utils/nvfp4_utils.py"
 _MEM_UTILS = "vllm/utils/mem_utils.py"
-_KERNEL_TEST_UTILS = "tests/kernels/utils.py"
+_MOE_REFERENCE = "tests/kernels/moe/moe_reference.py"
 _E2M1_MAX, _E4M3_MAX = 6.0, torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -711,8 +711,8 @@ def moe_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden states bfloat16 [T, H], top-k weights float32 [T, K], top-k
     ids int32 [T, K]): random activations and softmax routing, renormalized
-    (``tests/kernels/utils.torch_topk``)."""
-    ref = load_slice_module(_KERNEL_TEST_UTILS)
+    (``tests/kernels/moe/moe_reference.torch_topk``)."""
+    ref = load_slice_module(_MOE_REFERENCE)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, shape.hidden_size, generator=gen).bfloat16()
     logits = torch.randn(tokens, shape.num_experts, generator=gen)
@@ -728,10 +728,10 @@ def reference_moe(
     topk_ids: torch.Tensor,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """The BF16 reference MoE (``tests/kernels/utils.torch_experts``) on
-    weights ``w13`` [E, 2I, H] ([gate; up]) and ``w2`` [E, H, I], cast to
-    bfloat16 first."""
-    ref = load_slice_module(_KERNEL_TEST_UTILS)
+    """The BF16 reference MoE
+    (``tests/kernels/moe/moe_reference.torch_experts``) on weights ``w13``
+    [E, 2I, H] ([gate; up]) and ``w2`` [E, H, I], cast to bfloat16 first."""
+    ref = load_slice_module(_MOE_REFERENCE)
     return ref.torch_experts(
         x, w13.bfloat16(), w2.bfloat16(), topk_weights, topk_ids, activation
     )

@@ -3,30 +3,32 @@
 """FlashInfer b12x NVFP4 MoE experts through vLLM's modular-kernel interface:
 the kernel (SM120/SM121 only) and its CPU emulation.
 
-The experts are built and called as vLLM's NVFP4 oracle builds and calls
-them (``FlashInferB12xExperts(moe_config, quant_config)``,
-``process_weights_after_loading(layer)``, ``FusedMoEKernel.apply``), on a
-layer holding the checkpoint's tensors. Every case runs on both backends:
+The experts are built and called as vLLM's NVFP4 oracle and modular kernel
+build and call them (``FlashInferB12xExperts(moe_config, quant_config)``,
+``process_weights_after_loading(layer)``, ``apply`` with the kernel's 15
+arguments: flashinfer_b12x_utils.apply_experts), on a layer holding the
+checkpoint's tensors. Every case runs on both backends:
 ``flashinfer_b12x`` is skipped, with the reason, where the kernel cannot run;
 the emulation, which shares every line of the weight preparation, runs
-everywhere. The names imported here are vLLM 0.33.0's and this branch's, so
-the file also runs in vLLM 0.33.0 with the branch built in (``tests/upstream``).
+everywhere. The names imported here are vLLM 0.33.0's and this branch's, and
+the helpers' modules (flashinfer_b12x_utils.py, moe_reference.py) are new
+files in upstream's test tree, so the file also runs there, in vLLM 0.33.0
+with the branch built in (tests/upstream/test_upstream_test_layout.py).
 """
 
 import pytest
 import torch
 
-from tests.kernels.moe.utils import (
+from tests.kernels.moe.flashinfer_b12x_utils import (
     NVFP4ExpertsLayer,
-    b12x_kernel,
+    apply_experts,
     b12x_moe_config,
     b12x_quant_config,
     bf16_experts,
     dequantized_experts,
     quantize_experts_modelopt,
-    rel_rms_error,
 )
-from tests.kernels.utils import torch_moe, torch_topk
+from tests.kernels.moe.moe_reference import rel_rms_error, torch_moe, torch_topk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     flashinfer_w4a16_prepared_call,
@@ -49,7 +51,9 @@ _B12X = is_flashinfer_b12x_moe_available()
 BACKENDS = [
     pytest.param(
         FlashInferB12xExperts,
-        marks=pytest.mark.skipif(not _B12X, reason=f"b12x kernel: {_B12X.reason}"),
+        marks=pytest.mark.skipif(
+            not _B12X, reason=f"b12x kernel, SM120/SM121 only: {_B12X.reason}"
+        ),
         id="flashinfer_b12x",
     ),
     pytest.param(FlashInferB12xEmulatedExperts, id="emulated"),
@@ -59,7 +63,7 @@ W4A16_BACKENDS = [
     pytest.param(
         FlashInferB12xExperts,
         marks=pytest.mark.skipif(
-            not _W4A16, reason=f"b12x W4A16 kernel: {_W4A16.reason}"
+            not _W4A16, reason=f"b12x W4A16 kernel, SM120/SM121 only: {_W4A16.reason}"
         ),
         id="flashinfer_b12x",
     ),
@@ -118,8 +122,8 @@ def _config(e, topk, k, n, activation, max_num_tokens=256):
 
 
 def _prepared(cls, tensors, e, topk, k, n, activation, device, **kwargs):
-    """(layer, experts, kernel): the experts built from the oracle's quant
-    config and prepared on the layer of the checkpoint's ``tensors``."""
+    """(layer, experts): the experts built from the oracle's quant config and
+    prepared on the layer of the checkpoint's ``tensors``."""
     layer = NVFP4ExpertsLayer(tensors, activation).to(device)
     weight_only = kwargs.pop("w4a16", False)
     experts = cls(
@@ -128,23 +132,22 @@ def _prepared(cls, tensors, e, topk, k, n, activation, device, **kwargs):
         **kwargs,
     )
     experts.process_weights_after_loading(layer)
-    return layer, experts, b12x_kernel(experts)
+    return layer, experts
 
 
-def _run(kernel, layer, x, logits, topk, activation):
+def _run(experts, layer, x, logits, topk, activation):
     weights, ids = torch_topk(logits, topk, renormalize=True)
     device = layer.w13_weight.device
-    return kernel.apply(
-        hidden_states=x.to(device),
-        w1=layer.w13_weight,
-        w2=layer.w2_weight,
-        topk_weights=weights.to(device),
-        topk_ids=ids.to(device),
-        activation=activation,
+    out = apply_experts(
+        experts,
+        layer,
+        x.to(device),
+        weights.to(device),
+        ids.to(device),
+        activation,
         global_num_experts=logits.shape[1],
-        expert_map=None,
-        apply_router_weight_on_input=False,
-    ).cpu()
+    )
+    return out.cpu()
 
 
 def _device(cls) -> str:
@@ -173,7 +176,7 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
     expected = quantize_experts_modelopt(_swap_halves(w1), w2, gated=True)
 
     tensors = quantize_experts_modelopt(w1, w2, gated=True)
-    layer, experts, kernel = _prepared(cls, tensors, e, topk, k, n, silu, _device(cls))
+    layer, experts = _prepared(cls, tensors, e, topk, k, n, silu, _device(cls))
     # b12x quantizes the FC2 input dynamically: a static scale of exactly 1.
     fc2 = experts.prepared.fc2_input_scale
     assert fc2.shape == (e,) and fc2.dtype == torch.float32
@@ -198,7 +201,7 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
     assert torch.equal(experts.prepared.w1_alpha.cpu(), s13[:, 0])
     assert torch.equal(experts.prepared.w2_alpha.cpu(), expected["w2_weight_scale_2"])
 
-    out = _run(kernel, layer, x, logits, topk, silu)
+    out = _run(experts, layer, x, logits, topk, silu)
     assert out.shape == (m, k) and out.dtype == torch.bfloat16
     ref = torch_moe(x, w1, w2, logits, topk, renormalize=True)
     ref_swapped = torch_moe(x, _swap_halves(w1), w2, logits, topk, renormalize=True)
@@ -209,7 +212,7 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
 
     if cls is FlashInferB12xEmulatedExperts:
         # Weights-only: a tight comparison with the dequantized weights.
-        wo_layer, _, wo = _prepared(
+        wo_layer, wo = _prepared(
             cls, tensors, e, topk, k, n, silu, "cpu", weights_only=True
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, silu)
@@ -236,9 +239,9 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     x = torch.randn(m, k, generator=gen).bfloat16()
     logits = torch.randn(m, e, generator=gen)
     tensors = quantize_experts_modelopt(w1, w2, gated=False)
-    layer, _, kernel = _prepared(cls, tensors, e, topk, k, n, relu2, _device(cls))
+    layer, experts = _prepared(cls, tensors, e, topk, k, n, relu2, _device(cls))
     assert torch.equal(layer.w13_weight.cpu(), tensors["w13_weight"])
-    out = _run(kernel, layer, x, logits, topk, relu2)
+    out = _run(experts, layer, x, logits, topk, relu2)
     ref = torch_moe(x, w1, w2, logits, topk, True, activation="relu2")
     err = rel_rms_error(out, ref)
     assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
@@ -248,7 +251,7 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     control = rel_rms_error(out, wrong)
     assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"halves swapped: {control:.3f}"
     if cls is FlashInferB12xEmulatedExperts:
-        wo_layer, _, wo = _prepared(
+        wo_layer, wo = _prepared(
             cls, tensors, e, topk, k, n, relu2, "cpu", weights_only=True
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, relu2)
@@ -278,11 +281,11 @@ def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     gen = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(m, k, generator=gen) / (0.02 * k**0.5)).bfloat16()
     logits = torch.randn(m, e, generator=gen)
-    layer, experts, kernel = _prepared(
+    layer, experts = _prepared(
         cls, tensors, e, topk, k, n, act, _device(cls), w4a16=True
     )
     assert experts.weight_only and experts.prepared.w13.dtype == torch.int32
-    out = _run(kernel, layer, x, logits, topk, act)
+    out = _run(experts, layer, x, logits, topk, act)
     assert out.shape == (m, k) and out.dtype == torch.bfloat16
     name = "silu" if gated else "relu2"
     dw1, dw2 = dequantized_experts(tensors, gated=gated)
@@ -308,4 +311,4 @@ def test_experts_take_upstreams_arguments_and_refuse_before_preparation(cls):
     assert experts.workspace_shapes(4, 2 * n, k, 2, e, e, None, silu)[2] == (4, k)
     x = torch.zeros(2, k, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="before process_weights_after_loading"):
-        _run(b12x_kernel(experts), layer, x, torch.zeros(2, e), 2, silu)
+        _run(experts, layer, x, torch.zeros(2, e), 2, silu)

@@ -6,7 +6,7 @@ tests compare against."""
 import pytest
 import torch
 
-from tests.kernels.utils import torch_experts, torch_topk
+from tests.kernels.moe.moe_reference import torch_experts, torch_topk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 

@@ -26,6 +26,7 @@ import types
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe, torch_topk
 from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
@@ -35,7 +36,6 @@ from tests.kernels.moe.utils import (
     rel_rms_error,
     split_cat_halves,
 )
-from tests.kernels.utils import torch_moe, torch_topk
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     _b12x_activation_scales,
 )

@@ -7,6 +7,7 @@ emulation's exactness through the whole layer."""
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe
 from tests.kernels.moe.utils import (
     bf16_experts,
     dequantized_experts,
@@ -15,7 +16,6 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import torch_moe
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     is_flashinfer_b12x_moe_available,
 )

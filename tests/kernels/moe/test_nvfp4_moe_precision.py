@@ -7,12 +7,12 @@ into FP8 block scales (upstream's contract)."""
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe
 from tests.kernels.moe.utils import (
     dequantized_checkpoint_layer,
     rel_rms_error,
     split_cat_halves,
 )
-from tests.kernels.utils import torch_moe
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (

@@ -33,6 +33,9 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     split_cat_halves,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
+    FlashInferB12xExperts,
+)
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
@@ -61,6 +64,35 @@ def _mixed(old, new, experts, keys=None):
 
 
 # --- item 2: the guard against the loaders' idioms ---------------------------
+
+
+@pytest.mark.parametrize("name", ["w13_weight_scale", "w2_weight"])
+def test_a_view_with_other_strides_is_seen_as_replaced(name):
+    # param.data = a view of the same storage at the same offset, same shape
+    # and dtype, sharing the version counter: only the strides tell it
+    # (here every expert reads expert 0's bytes, as .t() of a square tensor
+    # would read them transposed).
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    param = getattr(layer, name)
+    strides = (0, *param.data.stride()[1:])
+    param.data = param.data.as_strided(param.shape, strides, param.storage_offset())
+    with pytest.raises(RuntimeError, match=rf"{name} replaced"):
+        layer(*_io(shape))
+
+
+def test_the_checksum_sees_a_permutation_of_the_bytes(monkeypatch):
+    # The same bytes in another order (experts rolled by one: the same sum)
+    # through param.data (no version bump): the opt-in checksum sees it.
+    monkeypatch.setenv("VLLM_MOE_PREP_VERIFY", "1")
+    shape = SHAPES[0]
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    data = layer.w2_weight.data
+    rolled = data.roll(1, dims=0)
+    assert not torch.equal(rolled, data)
+    data.copy_(rolled)
+    with pytest.raises(RuntimeError, match=r"w2_weight modified in place.*bytes"):
+        layer(*_io(shape))
 
 
 def test_data_copy_into_a_prepared_layer_is_refused_in_verify_mode(monkeypatch):
@@ -177,6 +209,30 @@ def test_faithful_copies_of_a_prepared_layer_work(how, quant_mode):
     want = _snapshot(_fresh(shape, new, quant_mode=quant_mode))
     _assert_same(_snapshot(_prepare(twin)), want)
     _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old, quant_mode=quant_mode)))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "state_dict"])
+def test_w4a16_kernel_experts_copy_save_and_take_state_dicts(how):
+    # The kernel's experts class (FlashInferB12xExperts; the oracle picks it
+    # only where CUDA is, so it is swapped in for the emulation it is the
+    # base of) prepares on CPU: only its apply needs the kernel. Its copies,
+    # saves and state dicts make the W4A16 views from their own parameters.
+    shape = UNPADDED
+    layer = _fresh(shape, _tensors(*shape, seed=1), quant_mode="w4a16")
+    layer.quant_method.experts.__class__ = FlashInferB12xExperts
+    if how == "state_dict":
+        twin = _fresh(shape, _tensors(*shape, seed=2), quant_mode="w4a16")
+        twin.quant_method.experts.__class__ = FlashInferB12xExperts
+        twin.load_state_dict(layer.state_dict())
+    else:
+        twin = _copy(layer, how)
+    experts = twin.quant_method.experts
+    assert type(experts) is FlashInferB12xExperts
+    experts._check_prepared()  # what apply does first
+    _assert_same(_snapshot(twin), _snapshot(layer))
+    assert experts.prepared.w13.data_ptr() == twin.w13_weight.data_ptr()
+    assert experts.prepared.w2_scale.data_ptr() == twin.w2_weight_scale.data_ptr()
+    assert experts.prepared.w13.data_ptr() != layer.w13_weight.data_ptr()
 
 
 @pytest.mark.parametrize("quant_mode", QUANT_MODES)
@@ -503,6 +559,57 @@ def test_failed_reload_is_all_or_nothing():
     with pytest.raises(RuntimeError, match=r"torn.*local experts \[2\]"):
         _prepare(layer)
     _load_through_loader(layer, new)  # complete
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+def _load_only(layer, tensors, names, shards=("w1", "w3")):
+    """Load only the parameters ``names`` of every expert through the layer's
+    weight_loader (of w13, only the ``shards``)."""
+    i = layer.moe_config.intermediate_size_per_partition
+    e = layer.global_num_experts
+    params = dict(layer.named_parameters())
+    for ex in range(e):
+        for name in names:
+            t = tensors[name]
+            if not name.startswith("w13_"):
+                layer.weight_loader(params[name], t[ex], name, "w2", ex)
+                continue
+            for g, shard in enumerate(("w1", "w3")):
+                if shard not in shards:
+                    continue
+                if name.endswith(("_weight", "_weight_scale")):
+                    value = t[ex, g * i : (g + 1) * i]
+                else:
+                    value = t.reshape(e, -1)[ex, g]
+                layer.weight_loader(params[name], value, name, shard, ex)
+
+
+def test_a_torn_layer_needs_every_slot_of_every_required_parameter_back():
+    # Torn by a failed reload: every (expert, shard) of weight, weight_scale
+    # and weight_scale_2 must be written again. One parameter written whole
+    # clears its own slots only; without the global scales it is not whole.
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    bad = {k: v.clone() for k, v in new.items()}
+    bad["w2_weight_scale_2"][2] = float("nan")
+    layer = _fresh(shape, old)
+    with pytest.raises(ValueError, match="is nan"):
+        _load_through_loader(layer, bad)
+    _load_only(layer, new, ["w2_weight"])
+    with pytest.raises(RuntimeError, match=r"torn.*w13_weight of local experts"):
+        _prepare(layer)
+    # One shard's rows clear that shard's slots, not the other's.
+    _load_only(layer, new, ["w13_weight"], shards=("w1",))
+    with pytest.raises(RuntimeError, match="torn") as err:
+        _prepare(layer)
+    assert "w13_weight of local experts [0, 1, 2]" in str(err.value)
+    assert "w2_weight of" not in str(err.value)
+    _load_only(layer, new, ["w13_weight", "w13_weight_scale", "w2_weight_scale"])
+    with pytest.raises(RuntimeError, match=r"torn") as err:
+        _prepare(layer)
+    for name in ("w13_weight_scale_2", "w2_weight_scale_2"):
+        assert f"{name} of local experts [0, 1, 2]" in str(err.value)
+    _load_only(layer, new, ["w13_weight_scale_2", "w2_weight_scale_2"])
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
 
 

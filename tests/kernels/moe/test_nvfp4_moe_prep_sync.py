@@ -45,6 +45,36 @@ def test_each_step_waits_once_before_it_is_recorded(monkeypatch):
     assert all(device == layer.w13_weight.device for device, _ in seen)
 
 
+@pytest.mark.parametrize(
+    "device,waits",
+    [
+        ("cuda", True),
+        ("cuda:0", True),
+        ("cuda:1", True),
+        ("cpu", False),
+        ("meta", False),
+    ],
+)
+def test_the_wait_synchronizes_exactly_the_cuda_devices(monkeypatch, device, waits):
+    # The decision the CUDA test alone would see, on CPU: torch.device
+    # objects of any index stand in for the step's device, a recorder for
+    # torch.cuda.synchronize. mark_done waits before it records.
+    dev = torch.device(device)
+    state = weight_prep_state.MoEWeightPrepState()
+    calls = []
+
+    def synchronize(d=None):
+        calls.append((d, list(state.done)))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    weight_prep_state.wait_for_step(dev)
+    assert calls == ([(dev, [])] if waits else [])
+    calls.clear()
+    state.mark_done("validate", dev)
+    assert calls == ([(dev, [])] if waits else [])
+    assert state.done == ["validate"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_preparation_synchronizes_once_per_step(monkeypatch):
     layer = _loaded_layer("cuda")

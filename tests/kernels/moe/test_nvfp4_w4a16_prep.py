@@ -4,12 +4,14 @@
 (measured), resumable at any torch call, reloadable; the layer exposes
 FlashInfer's ``packed_weights`` over its own parameters."""
 
+import dataclasses
 import importlib.util
 import types
 
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe, torch_topk
 from tests.kernels.moe.test_nvfp4_moe_prep_state import (
     Interrupt,
     RaiseAtCall,
@@ -22,7 +24,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     rel_rms_error,
 )
-from tests.kernels.utils import bytes_of, torch_moe
+from tests.kernels.utils import bytes_of
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -38,6 +40,8 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
+    w4a16_alpha,
+    w4a16_dequantize,
     w4a16_global_scale,
     w4a16_pack_blockscale,
     w4a16_pack_weight,
@@ -109,6 +113,29 @@ def test_bounded_scale_equals_reference_and_round_trips(e, n, k, rotate, cap):
     assert (y.view(torch.uint8)[~kept] == 0).all()
 
 
+@pytest.mark.parametrize("rotate", [64, 128, 192])
+@pytest.mark.parametrize(
+    "e,n,k,cap", [(2, 256, 256, 64 * MiB), (1, 256, 2048, 150_000)], ids=["A", "B"]
+)
+def test_every_rotation_the_contract_accepts_equals_the_reference(e, n, k, cap, rotate):
+    # N = 256 (four strips): every multiple of 64 below N, on both paths
+    # (A: whole experts; B: 150 KB is below one expert's codes and scales).
+    # 64 and 192 are where rotating by +r and -r give different rows.
+    w, s = _rand_weight(e, n, k, seed=rotate), _rand_scale(e, n, k, seed=rotate + 1)
+    x = w4a16_scale_exponent(s)
+    t = w.clone()
+    out = repack_w4a16_weight_(t, rotate=rotate, max_transient_bytes=cap)
+    assert torch.equal(out, w4a16_pack_weight(w, rotate))
+    unrepack_w4a16_weight_(t, rotate=rotate, max_transient_bytes=cap)
+    assert torch.equal(t, w)
+    t = s.clone()
+    out = pack_w4a16_blockscale_(t, x, rotate=rotate, max_transient_bytes=cap)
+    assert torch.equal(bytes_of(out), bytes_of(w4a16_pack_blockscale(s, x, rotate)))
+    unpack_w4a16_blockscale_(t, x, rotate=rotate, max_transient_bytes=cap)
+    kept = s.float() * 2.0**x >= 2.0**-6  # the others are flushed to 0
+    assert torch.equal(bytes_of(t)[kept.view(-1)], bytes_of(s)[kept.view(-1)])
+
+
 def test_cycle_following_path_runs_below_one_expert():
     # The strip + cycle path is the one a cap smaller than an expert takes:
     # its peak stays below the expert's own size, and so does every chunk.
@@ -122,6 +149,74 @@ def test_cycle_following_path_runs_below_one_expert():
     assert progress.total > n // 64  # strips, then the cycle chunks
     assert torch.equal(x.view(torch.int32).view(e, k // 16, -1),
                        w4a16_pack_weight(w, 256))  # fmt: skip
+
+
+def _min_cap(n, k, scale=False):
+    return w4a16_min_transient_bytes(n, k, scale=scale)
+
+
+# (E, N, K, cap): the strip path (B) at caps from the smallest the call
+# accepts (scales) up to 4 MiB, with an expert larger than the budget each
+# time (on CPU the budget is at most the 2 MiB tile). 210,920 B at N = 256,
+# K = 2048 is the cap where a budget split that gave the strips all of it
+# (not half) takes two 97 KiB strips a chunk instead of one and goes over.
+STRIP_CAPS = [
+    (2, 256, 2048, 210_920),
+    (2, 256, 2048, 300_000),
+    (1, 1024, 4096, 1 * MiB),
+    (1, 1024, 4096, 4 * MiB),
+]
+STRIP_SCALE_CAPS = [
+    (1, 512, 2048, _min_cap(512, 2048, scale=True)),
+    (2, 512, 2048, 210_920),
+    (1, 2048, 4096, 1 * MiB),
+    (1, 2048, 4096, 4 * MiB),
+]
+
+
+def _path_a_bytes(n, k):
+    """What path A would allocate for one expert of codes: its planes (1.5x
+    the codes) and 512 B a strip."""
+    return n // 64 * (64 * (k // 16) * 12 + 512)
+
+
+def _cap_id(case):
+    e, n, k, cap = case
+    return f"E{e}_N{n}_K{k}_cap{cap}"
+
+
+@pytest.mark.parametrize("e,n,k,cap", STRIP_CAPS, ids=map(_cap_id, STRIP_CAPS))
+def test_strip_path_weight_peak_is_within_every_cap(e, n, k, cap):
+    w = _rand_weight(e, n, k, seed=cap % 1000)
+    bound = min(cap, 2 * MiB)
+    assert _path_a_bytes(n, k) > bound  # path B: an expert does not fit
+    x = w.clone()
+    with measure_peak_memory("cpu") as mem:
+        out = repack_w4a16_weight_(x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
+    assert torch.equal(out, w4a16_pack_weight(w, 64))
+    with measure_peak_memory("cpu") as mem:
+        unrepack_w4a16_weight_(x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
+    assert torch.equal(x, w)
+
+
+@pytest.mark.parametrize(
+    "e,n,k,cap", STRIP_SCALE_CAPS, ids=map(_cap_id, STRIP_SCALE_CAPS)
+)
+def test_strip_path_scale_peak_is_within_every_cap(e, n, k, cap):
+    s = _rand_scale(e, n, k, seed=cap % 1000, top=0x7E)
+    x = w4a16_scale_exponent(s)
+    bound = min(cap, 2 * MiB)
+    assert n * (5 * k // 16 + 16) > bound  # path B: an expert does not fit
+    y = s.clone()
+    with measure_peak_memory("cpu") as mem:
+        out = pack_w4a16_blockscale_(y, x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
+    assert torch.equal(bytes_of(out), bytes_of(w4a16_pack_blockscale(s, x, 64)))
+    with measure_peak_memory("cpu") as mem:
+        unpack_w4a16_blockscale_(y, x, rotate=64, max_transient_bytes=cap)
+    assert mem.peak_bytes <= bound, (mem.peak_bytes, bound)
 
 
 def test_bounded_errors_name_the_tensor_and_leave_it_intact():
@@ -319,8 +414,11 @@ def test_layer_runs_within_bf16_tolerance_of_the_dequantized_moe(shape):
     assert torch.equal(_prepare(other)(x, logits), out)
 
 
-def test_differing_gate_and_up_scales_go_to_fc2_alpha():
-    e, h, i = 4, 256, 128
+@pytest.mark.parametrize("i", [128, 96], ids=["I128_rotated", "I96_half_swap"])
+def test_differing_gate_and_up_scales_go_to_fc2_alpha(i):
+    # The layer places w13 as [w3; w1]: I = 128 is undone by the rotation,
+    # I = 96 by the half swap, whose [E, 2] global scales must swap too.
+    e, h = 4, 256
     w1, w2 = bf16_experts(e, i, h, gated=True, seed=4)
     t = quantize_experts_modelopt(w1.float() * 0.02 * h**0.5,
                                   w2.float() * 0.02 * i**0.5, True,
@@ -344,6 +442,83 @@ def test_differing_gate_and_up_scales_go_to_fc2_alpha():
     x2 = w4a16_scale_exponent(t["w2_weight_scale"])
     pw.w2_global_scale.copy_(w4a16_global_scale(t["w2_weight_scale_2"], x2))
     assert rel_rms_error(layer(x, logits), ref) > 0.05
+
+
+def _shift_exponent(t, name, x):
+    """``t`` with ``name``'s block scales divided by 2^x and its global
+    scale multiplied by 2^x: the same weights, FlashInfer's exponent x
+    larger (exact: every scale stays a normal E4M3 number)."""
+    out = dict(t)
+    s = t[f"{name}_weight_scale"].float()
+    assert s[s > 0].min() / 2**x >= 2**-6
+    out[f"{name}_weight_scale"] = (s / 2**x).to(torch.float8_e4m3fn)
+    out[f"{name}_weight_scale_2"] = t[f"{name}_weight_scale_2"] * 2**x
+    return out
+
+
+@pytest.mark.parametrize("shifted", ["w13", "w2"])
+def test_w13_and_w2_with_different_scale_exponents(shifted):
+    # Each weight has its own power-of-two factor 2^x (the checkpoints of
+    # the other tests share x = 0). Packing w2's scales with w13's x = 4
+    # overflows FP16 (448 * 2^4 * 2^7 > 65504); its alpha with w13's x is
+    # off by 2^4.
+    e, h, i = 4, 256, 128
+    t = _shift_exponent(_tensors(e, h, i, True, seed=8), shifted, 4)
+    x13 = w4a16_scale_exponent(t["w13_weight_scale"])
+    x2 = w4a16_scale_exponent(t["w2_weight_scale"])
+    assert (x13, x2) == ((4, 0) if shifted == "w13" else (0, 4))
+    layer = _w4a16_layer(e, h, i, True)
+    _load_through_loader(layer, t)
+    _prepare(layer)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(12, h, generator=gen).bfloat16()
+    logits = torch.randn(12, e, generator=gen)
+    out = layer(x, logits)
+    assert torch.isfinite(out.float()).all()
+    dw1, dw2 = dequantized_experts(t, True)
+    assert rel_rms_error(out, torch_moe(x, dw1, dw2, logits, 2, True)) < 0.01
+    pw = layer.quant_method.experts.prepared
+    want = w4a16_global_scale(t["w2_weight_scale_2"], x2)
+    assert torch.equal(pw.w2_global_scale, want)
+
+
+def test_emulation_rounds_fc1_and_the_activation_to_bf16():
+    # The kernel keeps FC1's output and the activation in BF16; the
+    # emulation must too. The reference here, from the packed weights, does
+    # both roundings; the control without FC1's rounding differs in most of
+    # the 12 x 256 outputs, the emulation in almost none (op order only).
+    e, h, i = 4, 256, 128
+    t = _tensors(e, h, i, True, seed=10)
+    layer = _w4a16_layer(e, h, i, True)
+    _load_through_loader(layer, t)
+    _prepare(layer)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(12, h, generator=gen).bfloat16()
+    logits = torch.randn(12, e, generator=gen)
+    out = layer(x, logits)
+    pw = layer.quant_method.experts.prepared
+    weights, ids = torch_topk(logits, 2, renormalize=True)
+
+    def reference(round_fc1: bool) -> torch.Tensor:
+        a1, a2 = w4a16_alpha(pw.w13_global_scale), w4a16_alpha(pw.w2_global_scale)
+        w13 = w4a16_dequantize(pw.w13, pw.w13_scale)  # [E, 2I, H], [gate; up]
+        w2 = w4a16_dequantize(pw.w2, pw.w2_scale)  # [E, H, I]
+        y = torch.zeros(12, h)
+        for tok in range(12):
+            for j in range(2):
+                ex = int(ids[tok, j])
+                fc1 = (x[tok].float() @ w13[ex].t()) * a1[ex]
+                if round_fc1:
+                    fc1 = fc1.bfloat16().float()
+                gate, up = fc1[:i], fc1[i:]
+                act = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+                y[tok] += (act @ w2[ex].t()) * (weights[tok, j] * a2[ex])
+        return y.bfloat16()
+
+    differ = (out != reference(True)).float().mean().item()
+    control = (out != reference(False)).float().mean().item()
+    assert differ < 0.05, differ
+    assert control > 0.3, control
 
 
 def test_prepared_twice_is_a_no_op_and_forward_refuses_before():
@@ -543,6 +718,93 @@ def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
     # Rank 1 of 2 holds global experts 4..7 at local 0..3.
     emap = bound.arguments["expert_map"]
     assert emap.dtype == torch.int32 and emap.tolist() == [-1] * 4 + [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("ep_rank", [0, 1])
+def test_launch_arguments_under_expert_parallelism_without_flashinfer(ep_rank):
+    # The keyword arguments of launch_sm120_moe, built on CPU (FlashInfer not
+    # needed: ``prepared`` stands in for its packed-weights object). Rank r
+    # of 2 holds global experts 4r..4r+3 at local ids 0..3.
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
+        w4a16_launch_kwargs,
+    )
+
+    e, h, i = 4, 256, 128
+    layer = _w4a16_layer(2 * e, h, i, True, ep_rank=ep_rank, ep_size=2)
+    _load_through_loader(layer, _tensors(2 * e, h, i, True, seed=16))
+    _prepare(layer)
+    experts = layer.quant_method.experts
+    pw, prepared = experts.prepared, object()
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int64)
+    weights = torch.full((3, 2), 0.5, dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    kw = w4a16_launch_kwargs(
+        experts.moe_config,
+        pw,
+        prepared,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        weights,
+        ids,
+        layer.expert_map.long(),  # whatever map dtype: the kernel's is int32
+        out,
+    )
+    assert kw["num_experts"] == 2 * e and kw["num_local_experts"] == e
+    assert kw["top_k"] == 2 and kw["quant_mode"] == "w4a16"
+    emap = kw["expert_map"]
+    assert emap.dtype == torch.int32
+    want = [-1] * 8
+    want[4 * ep_rank : 4 * ep_rank + 4] = [0, 1, 2, 3]
+    assert emap.tolist() == want
+    assert kw["topk_ids"].dtype == torch.int32 and kw["topk_ids"].tolist() == [
+        [0, 5],
+        [7, 4],
+        [1, 2],
+    ]
+    assert kw["topk_weights"].dtype == torch.float32
+    assert kw["_prepared_weights"] is prepared and kw["scatter_output"] is out
+    assert kw["a"] is x and kw["w1_weight"] is layer.w13_weight
+    assert kw["w1_weight_sf"] is pw.w13_scale and kw["w2_weight_sf"] is pw.w2_scale
+    assert kw["w1_alpha"] is pw.w13_global_scale
+    assert kw["w2_alpha"] is pw.w2_global_scale
+    assert pw.num_experts == e and pw.w13.shape[0] == e
+    # Without expert parallelism: no map, every expert local.
+    single = _w4a16_layer(e, h, i, True)
+    _load_through_loader(single, _tensors(e, h, i, True, seed=17))
+    _prepare(single)
+    ex1 = single.quant_method.experts
+    kw = w4a16_launch_kwargs(
+        ex1.moe_config,
+        ex1.prepared,
+        prepared,
+        x,
+        single.w13_weight,
+        single.w2_weight,
+        weights,
+        ids % e,
+        single.expert_map,
+        out,
+    )
+    assert kw["expert_map"] is None
+    assert kw["num_experts"] == kw["num_local_experts"] == e
+    # top_k is the config's (3 here), not a constant.
+    top3 = dataclasses.replace(ex1.moe_config, experts_per_token=3)
+    ids3 = torch.tensor([[0, 1, 2], [3, 2, 1], [1, 0, 3]])
+    kw = w4a16_launch_kwargs(
+        top3,
+        ex1.prepared,
+        prepared,
+        x,
+        single.w13_weight,
+        single.w2_weight,
+        torch.full((3, 3), 1 / 3),
+        ids3,
+        None,
+        out,
+    )
+    assert kw["top_k"] == 3
 
 
 def test_w4a16_layer_takes_the_alpha_mode_only():

@@ -84,6 +84,33 @@ def test_tiles_are_k_major_and_rotation_moves_rows():
     assert (rotated[0, :, 1] == 0x11111111).all()
 
 
+@pytest.mark.parametrize("rotate", [0, 64, 128, 192])
+def test_every_rotation_takes_output_row_j_from_input_row_j_plus_rotate(rotate):
+    # N = 256: four row tiles, rows of tile t hold code t + 1 (codes 1..4
+    # say where a tile went). Output row j is input row (j + rotate) % N, so
+    # output tile j holds code (j + rotate / 64) % 4 + 1. Rotations 64 and
+    # 192 are where +rotate and -rotate differ (N/2 = 128 cannot tell them).
+    codes = (torch.arange(256) // 64 + 1).to(torch.uint8).view(1, 256, 1)
+    w = pack_fp4(codes.expand(1, 256, 32).contiguous())
+    packed = w4a16_pack_weight(w, rotate).view(1, 2, 4, 128)  # [E, kt, nt, word]
+    for j in range(4):
+        nibble = (j + rotate // 64) % 4 + 1
+        assert (packed[0, :, j] == nibble * 0x11111111).all(), (j, nibble)
+    # The same for random codes: the packing of the input rolled by -rotate
+    # (torch.roll moves row i to i - rotate), and back.
+    gen = torch.Generator().manual_seed(rotate)
+    w = torch.randint(0, 256, (2, 256, 16), dtype=torch.uint8, generator=gen)
+    packed = w4a16_pack_weight(w, rotate)
+    assert torch.equal(packed, w4a16_pack_weight(torch.roll(w, -rotate, dims=1)))
+    assert torch.equal(w4a16_unpack_weight(packed, rotate), w)
+    s = torch.randint(0, 0x58, (2, 256, 2), dtype=torch.uint8, generator=gen)
+    s = s.view(torch.float8_e4m3fn)
+    rolled = torch.roll(s.view(torch.uint8), -rotate, dims=1).view(torch.float8_e4m3fn)
+    packed_s = w4a16_pack_blockscale(s, 3, rotate)
+    want_s = w4a16_pack_blockscale(rolled, 3)
+    assert torch.equal(packed_s.view(torch.uint8), want_s.view(torch.uint8))
+
+
 SHAPES = [(3, 128, 256), (2, 192, 96), (1, 64, 16), (2, 320, 48)]
 
 
