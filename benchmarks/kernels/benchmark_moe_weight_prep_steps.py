@@ -65,11 +65,12 @@ from vllm.benchmarks.moe_weight_prep.baselines import (
     legacy_preparation_steps,
 )
 from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
+from vllm.benchmarks.moe_weight_prep.layer import make_layer
 from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS, get_preset
 from vllm.benchmarks.moe_weight_prep.report import format_speedup
 from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
-from vllm.benchmarks.moe_weight_prep.w4a4_layers import check_equal, make_layer
+from vllm.benchmarks.moe_weight_prep.w4a4_layers import check_equal
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,

@@ -26,7 +26,8 @@ Modules, each one job: ``cli`` (the command line), ``run`` (the job, either
 quant mode), ``ranks`` (the processes of ``--tp N``), ``shard`` (one rank's
 part of a layer), ``sources`` (a checkpoint as the layer source),
 ``presets`` and ``synthetic_weights`` (model shapes and random layers of
-them), ``w4a4_layers`` / ``w4a16_layers`` (one rank's layers measured),
+them), ``layer`` (the FusedMoE layer a run prepares, either mode),
+``w4a4_layers`` / ``w4a16_layers`` (one rank's layers measured),
 ``baselines`` (the preparations measured against), ``checks``,
 ``precision``, ``report``, ``plot``, ``output_files``, ``memory_limit``,
 ``busy_cores``.

@@ -43,8 +43,10 @@ from vllm.benchmarks.moe_weight_prep.baselines import (
     public_copy_reference,
 )
 from vllm.benchmarks.moe_weight_prep.checks import check_num_layers, same_bytes
+from vllm.benchmarks.moe_weight_prep.layer import make_layer
 from vllm.benchmarks.moe_weight_prep.precision import w4a16_precision
 from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
 from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
@@ -65,28 +67,6 @@ __all__ = [
 #: public path runs the package's reference, written to be read, not to be
 #: fast (FlashInfer's own functions give the public path's time).
 UNTIMED_VARIANTS = frozenset({"flashinfer-public-model"})
-
-
-def _w4a16_layer(preset: MoEModelPreset, device, tensors, cap: int):
-    """A W4A16 FusedMoE layer (emulated b12x: the kernel backend's own
-    preparation) holding a copy of ``tensors`` (checkpoint layout)."""
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-
-    layer = FusedMoE(
-        num_experts=preset.num_experts, top_k=preset.top_k,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size, activation=preset.activation,
-        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-        moe_backend="flashinfer_b12x_emulated", device=device,
-        place_w3w1_at_load=False, experts_kwargs={"max_transient_bytes": cap},
-    )  # fmt: skip
-    with torch.no_grad():
-        for name, value in tensors.items():
-            param = getattr(layer, name, None)
-            if param is not None:
-                param.copy_(value)
-    return layer
 
 
 def _flashinfer_inputs(tensors: dict) -> dict[str, torch.Tensor]:
@@ -130,7 +110,7 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
         return run
 
     def bounded(tensors):
-        layer = _w4a16_layer(preset, device, tensors, cap)
+        layer = make_layer(preset, RankShard(), device, tensors, cap, quant="w4a16")
 
         def prepare():
             with moe_prep_threads(device):

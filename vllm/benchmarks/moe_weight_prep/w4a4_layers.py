@@ -20,6 +20,7 @@ from vllm.benchmarks.moe_weight_prep.baselines import (
     split_cat_halves,
 )
 from vllm.benchmarks.moe_weight_prep.checks import check_num_layers, same_bytes
+from vllm.benchmarks.moe_weight_prep.layer import make_layer
 from vllm.benchmarks.moe_weight_prep.memory_limit import limit_cuda_memory
 from vllm.benchmarks.moe_weight_prep.precision import (
     PRECISION_CHOICES,
@@ -46,36 +47,8 @@ from vllm.utils.mem_utils import measure_peak_memory
 __all__ = [
     "StepRecord",
     "check_equal",
-    "make_layer",
     "run_benchmark",
 ]
-
-
-def make_layer(preset, shard, device, tensors, cap, mode="alpha"):
-    """A W4A4 FusedMoE layer of ``shard`` (emulated b12x) holding a copy of
-    ``tensors`` (checkpoint layout), its preparation capped at ``cap``."""
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-
-    # The emulated backend runs the kernel backend's preparation line for
-    # line (it subclasses it) on any device.
-    layer = FusedMoE(
-        num_experts=preset.num_experts,
-        top_k=preset.top_k,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        activation=preset.activation,
-        quant_config=ModelOptNvFp4Config.for_mode(),
-        moe_backend="flashinfer_b12x_emulated",
-        device=device,
-        **shard.layer_kwargs(),
-        place_w3w1_at_load=False,  # tensors are copied in checkpoint layout
-        experts_kwargs={"max_transient_bytes": cap, "global_scale_mode": mode},
-    )
-    with torch.no_grad():
-        for name, value in tensors.items():
-            getattr(layer, name).copy_(value)
-    return layer
 
 
 def _resident_bytes(tensors) -> int:
