@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
+from tests.kernels.moe.moe_reference import torch_moe
 from tests.kernels.moe.utils import dequantized_checkpoint_layer, rel_rms_error
-from tests.kernels.utils import torch_moe
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.model_loader.moe_routing import (
     MoERouting,

@@ -44,6 +44,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     FLOAT8_E4M3_MAX,
     dequantize_nvfp4,
     quantize_nvfp4,
+    quantize_nvfp4_b12x_activation,
 )
 
 E, H, I, TOPK, T = 8, 2048, 512, 2, 64  # noqa: E741
@@ -209,6 +210,48 @@ def test_fold_mode_keeps_upstreams_call(experts, case):
     assert kernel.fc1_input_scale is None
     for t in (kernel.fc2_input_scale, kernel.w1_alpha, kernel.w2_alpha):
         assert torch.equal(t, torch.ones(E))
+
+
+def test_fc2s_input_is_the_bf16_activation_quantized_as_the_kernel_does(experts, case):
+    # The kernel writes the activation to shared memory in BF16 (sC) and
+    # quantizes that with fc2_input_scale. The reference, per route from the
+    # checkpoint's codes and block scales and the kernel's alphas, in the
+    # kernel's order of operations, uses the kernel's quantizer on the
+    # BF16-rounded activation: the layer equals it; the control without the
+    # rounding differs in most outputs (a code moves where a value sits near
+    # an E2M1 boundary).
+    tensors = experts[0]
+    a1, a2, x, logits, _, _ = case(0.3)
+    n = 8
+    x, logits = x[:n], logits[:n]
+    layer, out = _run(tensors, a1, a2, x, logits)
+    k = layer.quant_method.experts.prepared
+    w13 = dequantize_nvfp4(tensors["w13_weight"], tensors["w13_weight_scale"], 1.0)
+    w2 = dequantize_nvfp4(tensors["w2_weight"], tensors["w2_weight_scale"], 1.0)
+    weights, ids = torch_topk(logits, TOPK, renormalize=True)
+
+    def operand(a, d):
+        return dequantize_nvfp4(*quantize_nvfp4_b12x_activation(a, d), 1.0)
+
+    def reference(round_act: bool) -> torch.Tensor:
+        y = torch.zeros(n, H)
+        for tok in range(n):
+            for j in range(TOPK):
+                e = int(ids[tok, j])
+                d1, d2 = k.fc1_input_scale[e], k.fc2_input_scale[e]
+                fc1 = (operand(x[tok : tok + 1], d1) @ w13[e].t()) * (
+                    k.w1_alpha[e] * d1
+                )
+                gate, up = fc1.chunk(2, dim=-1)  # checkpoint order [w1; w3]
+                act = torch.nn.functional.silu(gate) * up
+                act = act.bfloat16() if round_act else act
+                fc2 = (operand(act, d2) @ w2[e].t()) * k.w2_alpha[e]
+                y[tok] += fc2[0] * weights[tok, j]
+        return y.bfloat16()
+
+    assert torch.equal(out, reference(True))
+    control = (out != reference(False)).float().mean().item()
+    assert control > 0.3, control  # [measured 0.92]
 
 
 def _scale_layer(expert_map=None, enable_eplb=False):

@@ -213,7 +213,9 @@ def test_reciprocals_flush_subnormals():
     # rcp.approx.ftz: a scale whose reciprocal is subnormal (d > 2^126) reads
     # as 0 on the fast path, so every block scale and code is 0; the precise
     # path divides instead and keeps the normal block scales it can.
-    x = torch.full((1, 16), 2.0**100).bfloat16()
+    # Here g * (m * rcp(6)) would be 1/6 (a normal block scale) without the
+    # flush.
+    x = torch.full((1, 16), 2.0**127).bfloat16()
     d = 2.0**127
     packed, scale = quantize_nvfp4_b12x_activation(x, d)
     assert (scale.view(torch.uint8) == 0).all() and (packed == 0).all()
