@@ -60,16 +60,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from vllm.benchmarks.busy_cores import busy_cores
-from vllm.benchmarks.legacy_moe_prep import (
+from vllm.benchmarks.moe_weight_prep.baselines import (
     float_chunk_fold_,
     legacy_preparation_steps,
 )
-from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.benchmarks.moe_weight_prep_ranks import RankShard
-from vllm.benchmarks.moe_weight_prep_report import format_speedup
-from vllm.benchmarks.moe_weight_prep_run import _check_equal, _make_layer
+from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
+from vllm.benchmarks.moe_weight_prep.layer import make_layer
+from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS, get_preset
+from vllm.benchmarks.moe_weight_prep.report import format_speedup
+from vllm.benchmarks.moe_weight_prep.shard import RankShard
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.benchmarks.moe_weight_prep.w4a4_layers import check_equal
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
@@ -270,7 +271,7 @@ def measure_device_ops(preset, tensors, layouts=LAYOUTS) -> dict:
 
     def w4a4(mode):
         cap, cpu = DEFAULT_MAX_TRANSIENT_BYTES, torch.device("cpu")
-        return lambda: _make_layer(preset, RankShard(), cpu, tensors, cap, mode)
+        return lambda: make_layer(preset, RankShard(), cpu, tensors, cap, mode)
 
     step_bytes = _step_bytes(tensors, preset.is_gated)
     makers = {
@@ -383,7 +384,7 @@ def _time_steps(make_layer, repeats: int, names) -> dict[str, list[float]]:
 
 def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
     times = _time_steps(
-        lambda: _make_layer(preset, RankShard(), torch.device("cpu"), tensors,
+        lambda: make_layer(preset, RankShard(), torch.device("cpu"), tensors,
                             DEFAULT_MAX_TRANSIENT_BYTES, mode),
         repeats, STEPS,
     )  # fmt: skip
@@ -426,10 +427,10 @@ def _check(preset, tensors) -> None:
     for _, fn in legacy_preparation_steps(owned, preset.is_gated):
         fn()
     for mode in MODES:
-        layer = _make_layer(preset, RankShard(), torch.device("cpu"), tensors,
+        layer = make_layer(preset, RankShard(), torch.device("cpu"), tensors,
                             DEFAULT_MAX_TRANSIENT_BYTES, mode)  # fmt: skip
         layer.quant_method.process_weights_after_loading(layer)
-        _check_equal(layer, owned, tensors, 0, mode)
+        check_equal(layer, owned, tensors, 0, mode)
 
 
 def measure(preset, tensors, repeats: int, floors: dict[int, float]) -> dict:

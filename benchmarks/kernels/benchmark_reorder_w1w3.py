@@ -28,10 +28,13 @@ import time
 
 import torch
 
-from vllm.benchmarks.busy_cores import busy_cores
-from vllm.benchmarks.legacy_moe_prep import clone_chunk_reorder, split_cat_reorder
-from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS
-from vllm.benchmarks.moe_synthetic_weights import synthetic_w13
+from vllm.benchmarks.moe_weight_prep.baselines import (
+    clone_chunk_reorder,
+    split_cat_reorder,
+)
+from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
+from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_w13
 from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (

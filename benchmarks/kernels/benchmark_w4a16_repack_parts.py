@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from vllm.benchmarks.busy_cores import busy_cores
-from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
+from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
+from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS, get_preset
 from vllm.model_executor.layers.quantization.utils import flashinfer_w4a16_moe as w4
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     w4a16_pack_weight,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.benchmarks.moe_model_presets import get_preset
+from vllm.benchmarks.moe_weight_prep.presets import get_preset
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,

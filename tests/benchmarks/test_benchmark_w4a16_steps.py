@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.benchmarks.moe_model_presets import get_preset
+from vllm.benchmarks.moe_weight_prep.presets import get_preset
 
 SCRIPT = (Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
           / "benchmark_moe_weight_prep_steps.py")  # fmt: skip

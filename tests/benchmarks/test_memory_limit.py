@@ -8,7 +8,10 @@ enforcement where CUDA exists."""
 import pytest
 import torch
 
-from vllm.benchmarks.memory_limit import cuda_memory_fraction, limit_cuda_memory
+from vllm.benchmarks.moe_weight_prep.memory_limit import (
+    cuda_memory_fraction,
+    limit_cuda_memory,
+)
 
 MIB = 1 << 20
 

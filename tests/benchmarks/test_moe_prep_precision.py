@@ -7,14 +7,14 @@ prepared layer against its checkpoint (0 where the preparation is exact)."""
 import pytest
 import torch
 
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_prep_precision import (
+from vllm.benchmarks.moe_weight_prep.precision import (
     SPAN_COLS,
     TILE_ROWS,
     precision_sample,
     prepared_weight_precision,
 )
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
 
 # Awkward shapes: 2I = 640 rows (5 tiles) gated; H = 3136 columns (4 spans
 # of 1024, the last one 64 wide); I = 192 (2 tiles, the last one partial)

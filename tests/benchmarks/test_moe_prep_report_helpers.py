@@ -6,8 +6,8 @@ a speed ratio is said."""
 import pytest
 import torch
 
-from vllm.benchmarks.moe_prep_precision import blockscale_range_counts
-from vllm.benchmarks.moe_weight_prep_report import format_speedup
+from vllm.benchmarks.moe_weight_prep.precision import blockscale_range_counts
+from vllm.benchmarks.moe_weight_prep.report import format_speedup
 
 
 def test_blockscale_range_counts_on_hand_made_bytes():
@@ -31,7 +31,7 @@ def test_speed_ratios_are_said_as_faster_or_slower(baseline, new, text):
 def test_plot_has_a_legend_units_and_one_colour_per_step():
     import matplotlib.colors as mcolors
 
-    from vllm.benchmarks.moe_weight_prep_report import STEP_COLOURS, plot_figure
+    from vllm.benchmarks.moe_weight_prep.plot import STEP_COLOURS, plot_figure
 
     def rec(step, seconds, levels, growth=0):
         timeline = [(i, lvl) for i, lvl in enumerate(levels)]
@@ -92,7 +92,7 @@ def _result(**extra):
 
 
 def test_plot_panels_have_their_own_scale_and_draw_the_memory_limit():
-    from vllm.benchmarks.moe_weight_prep_report import plot_figure
+    from vllm.benchmarks.moe_weight_prep.plot import plot_figure
 
     fig = plot_figure(_result(memory_limit_bytes=100 << 20))
     legacy, bounded = fig.axes
@@ -116,7 +116,7 @@ def test_plot_panels_have_their_own_scale_and_draw_the_memory_limit():
 
 
 def test_plot_of_a_parallel_run_names_its_rank():
-    from vllm.benchmarks.moe_weight_prep_report import plot_figure
+    from vllm.benchmarks.moe_weight_prep.plot import plot_figure
 
     fig = plot_figure(_result(tp_size=2, ep_size=1, rank=0, shard="TP 0/2"))
     assert "rank 0 of 2 (TP 0/2" in fig._suptitle.get_text()

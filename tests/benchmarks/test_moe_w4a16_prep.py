@@ -10,15 +10,16 @@ import pytest
 import torch
 
 from tests.kernels.utils import bytes_of
-from vllm.benchmarks.flashinfer_w4a16_prep import (
+from vllm.benchmarks.moe_weight_prep.baselines import (
     PACKED_FIELDS,
     flashinfer_w4a16_prepare,
     flashinfer_w4a16_unavailable_reason,
     public_copy_reference,
 )
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.benchmarks.moe_w4a16_prep import run_w4a16_benchmark, w4a16_precision
+from vllm.benchmarks.moe_weight_prep.precision import w4a16_precision
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.benchmarks.moe_weight_prep.w4a16_layers import run_w4a16_benchmark
 from vllm.entrypoints.cli.main import main
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,

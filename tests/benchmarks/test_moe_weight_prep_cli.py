@@ -160,7 +160,7 @@ BAD_ARGUMENTS = {
 @pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
 def test_bad_arguments_are_one_line_errors_before_the_run(case, capsys, monkeypatch):
     argv, message = BAD_ARGUMENTS[case]
-    import vllm.benchmarks.moe_weight_prep as job
+    import vllm.benchmarks.moe_weight_prep.run as job
 
     def never(*a, **k):
         raise AssertionError("the run started despite a bad argument")
@@ -228,7 +228,7 @@ def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, caps
 def test_busy_cores_start_and_stop():
     import multiprocessing
 
-    from vllm.benchmarks.busy_cores import busy_cores
+    from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
 
     with busy_cores(1):
         children = multiprocessing.active_children()

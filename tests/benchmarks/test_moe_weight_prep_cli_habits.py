@@ -47,7 +47,7 @@ def _never(*args, **kwargs):
 def no_run(monkeypatch):
     """The job with its runs replaced by a failure: argument errors must
     come before them."""
-    import vllm.benchmarks.moe_weight_prep as job
+    import vllm.benchmarks.moe_weight_prep.run as job
 
     for name in ("rank_job", "run_ranks", "busy_cores"):
         monkeypatch.setattr(job, name, _never)
@@ -67,7 +67,7 @@ def _error(capsys, argv, code=2):
     "model", ["Qwen/Qwen3.6-35B-A3B", "qwen/qwen3.6-35b-a3b", "QWEN3.6-35B-A3B"]
 )
 def test_the_model_ids_the_tool_prints_select_the_preset(model):
-    from vllm.benchmarks.moe_model_presets import get_preset
+    from vllm.benchmarks.moe_weight_prep.presets import get_preset
 
     assert get_preset(model).name == "qwen3.6-35b-a3b"
 
@@ -241,7 +241,7 @@ def test_plot_format_follows_the_extension(tmp_path, capsys, ext, magic):
 def test_json_is_written_before_the_plot_and_survives_its_failure(
     tmp_path, capsys, monkeypatch
 ):
-    import vllm.benchmarks.moe_weight_prep as job
+    import vllm.benchmarks.moe_weight_prep.run as job
 
     def broken_plot(result, path):
         raise OSError(28, "No space left on device")

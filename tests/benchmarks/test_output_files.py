@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm.benchmarks.output_files import (
+from vllm.benchmarks.moe_weight_prep.output_files import (
     check_output_path,
     plot_formats,
     write_atomically,

@@ -10,9 +10,12 @@ import signal
 import pytest
 import torch
 
-from tests.kernels.moe.utils import dequantized_checkpoint_layer, rel_rms_error
+from tests.kernels.moe.utils import (
+    dequantized_checkpoint_layer,
+    rel_rms_error,
+    split_cat_halves,
+)
 from tests.kernels.utils import bytes_of
-from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config

@@ -34,8 +34,8 @@ from tests.kernels.moe.utils import (
     make_nvfp4_layer,
     quantize_experts_modelopt,
     rel_rms_error,
+    split_cat_halves,
 )
-from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     _b12x_activation_scales,
 )

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from tests.kernels.moe.moe_reference import torch_moe
-from tests.kernels.moe.utils import dequantized_checkpoint_layer, rel_rms_error
-from vllm.benchmarks.legacy_moe_prep import split_cat_halves
+from tests.kernels.moe.utils import (
+    dequantized_checkpoint_layer,
+    rel_rms_error,
+    split_cat_halves,
+)
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (

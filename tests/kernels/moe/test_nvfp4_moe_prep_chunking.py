@@ -9,10 +9,13 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tests.kernels.moe.utils import fold_reference, load_nvfp4_experts, make_nvfp4_layer
+from tests.kernels.moe.utils import (
+    fold_reference,
+    load_nvfp4_experts,
+    make_nvfp4_layer,
+    random_layer_tensors,
+)
 from tests.kernels.utils import bytes_of, random_bits
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.model_executor.layers.quantization.utils import blockscale_fold as fp4
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
@@ -152,8 +155,7 @@ class CountDataOps(TorchFunctionMode):
 
 
 def _data_ops_of_preparation(e, h, i, mode):
-    preset = MoEModelPreset("t", "t", 1, h, e, 2, i, "silu")
-    tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), seed=0)
+    tensors = random_layer_tensors(e, h, i, True, seed=0, shared_w13_scale=True)
     if mode == "fold":  # differing w1 / w3 global scales: the fold runs
         tensors["w13_weight_scale_2"][:, 1] *= 0.5
     layer = make_nvfp4_layer(e, 2, h, i, True, BACKEND, global_scale_mode=mode)
@@ -209,10 +211,9 @@ def test_preparation_runs_with_the_configured_threads(
         monkeypatch.delenv("VLLM_MOE_PREP_CPU_THREADS", raising=False)
     else:
         monkeypatch.setenv("VLLM_MOE_PREP_CPU_THREADS", env)
-    preset = MoEModelPreset("t", "t", 1, 256, 4, 2, 128, "silu")
     layer = make_nvfp4_layer(4, 2, 256, 128, True, BACKEND)
     load_nvfp4_experts(
-        layer, synthetic_layer_tensors(preset, 1, torch.device("cpu"), seed=1)
+        layer, random_layer_tensors(4, 256, 128, True, seed=1, shared_w13_scale=True)
     )
     # The experts' bounded steps (the oracle's conversion before them moves
     # no weight byte for b12x and is not theirs to set up).

@@ -31,8 +31,8 @@ from tests.kernels.moe.utils import (
     load_nvfp4_experts,
     make_nvfp4_layer,
     quantize_experts_modelopt,
+    split_cat_halves,
 )
-from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     FlashInferB12xExperts,
 )

@@ -16,10 +16,10 @@ from tests.kernels.moe.utils import (
     load_nvfp4_experts,
     make_nvfp4_layer,
     quantize_experts_modelopt,
+    split_cat_halves,
 )
 from tests.kernels.utils import bytes_of
 from tests.sigint import sigint_raises_keyboard_interrupt
-from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,

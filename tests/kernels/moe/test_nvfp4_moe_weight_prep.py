@@ -5,25 +5,14 @@
 import pytest
 import torch
 
-from tests.kernels.moe.moe_reference import torch_moe
 from tests.kernels.moe.utils import (
-    bf16_experts,
-    dequantized_experts,
     fold_reference,
     load_nvfp4_experts,
     make_nvfp4_layer,
-    quantize_experts_modelopt,
-    rel_rms_error,
+    random_layer_tensors,
+    whole_tensor_preparation,
 )
 from tests.kernels.utils import DEVICES, bytes_of, random_bits
-from vllm.benchmarks.legacy_moe_prep import (
-    legacy_fold,
-    legacy_preparation_steps,
-    split_cat_halves,
-)
-from vllm.benchmarks.moe_model_presets import get_preset
-from vllm.benchmarks.moe_prep_precision import prepared_weight_precision
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
 )
@@ -51,65 +40,6 @@ LAYER_SHAPES = [
     (4, 128, 64, False),
 ]
 CAPS = [16 << 10, 4 * MIB, 64 * MIB]
-
-
-def random_layer_tensors(e, h, i, gated, seed, device="cpu"):
-    """Random ModelOpt tensors (valid FP8 scales; w1/w3 scales differ)."""
-    rows = 2 * i if gated else i
-    gen = torch.Generator().manual_seed(seed)
-
-    def scales(shape):
-        raw = torch.randint(0x08, 0x78, shape, dtype=torch.uint8, generator=gen)
-        return raw.view(torch.float8_e4m3fn)
-
-    shards = 2 if gated else 1
-    tensors = {
-        "w13_weight": random_bits((e, rows, h // 2), torch.uint8, "cpu", seed + 1),
-        "w13_weight_scale": scales((e, rows, h // 16)),
-        "w13_weight_scale_2": torch.rand(e, shards, generator=gen) * 4 + 0.01,
-        "w13_input_scale": torch.rand(e, shards, generator=gen),
-        "w2_weight": random_bits((e, h, i // 2), torch.uint8, "cpu", seed + 2),
-        "w2_weight_scale": scales((e, h, i // 16)),
-        "w2_weight_scale_2": torch.rand(e, generator=gen) * 4 + 0.01,
-        "w2_input_scale": torch.rand(e, generator=gen),
-    }
-    return {k: v.to(device) for k, v in tensors.items()}
-
-
-def whole_tensor_preparation(t: dict, gated: bool, mode: str = "alpha") -> dict:
-    """Test-side reference: the same preparation done the straightforward way,
-    on whole tensors (float32 fold, split+cat reorder, padded swizzle).
-
-    ``mode="fold"``: every global scale folded into the block scales, then 1.
-    ``mode="alpha"``: every block scale as loaded (reordered and swizzled
-    only). The [E, 2] global scales stay as loaded.
-    Also the kernel's alphas: ``w1_alpha`` = the gate's (w1's) global
-    scale, ``w2_alpha`` = w2's times s_w3 / s_w1 times FC2's input scale as
-    the kernel gets it (``1 / a2_gscale``, ``a2_gscale = 1 / input_scale``);
-    1 and 1 after a fold."""
-    s13, s2 = t["w13_weight_scale"].cpu(), t["w2_weight_scale"].cpu()
-    g13, g2 = t["w13_weight_scale_2"].cpu(), t["w2_weight_scale_2"].cpu()
-    if mode == "fold":
-        s13, s2 = fold_reference(s13, g13), fold_reference(s2, g2)
-        g13, g2 = torch.ones_like(g13), torch.ones_like(g2)
-    alpha1, alpha2 = g13[:, 0], g2
-    if gated:
-        alpha2 = g2 * (g13[:, 1] / g13[:, 0])
-    if mode == "alpha":
-        alpha2 = alpha2 * (1.0 / (1.0 / t["w2_input_scale"].cpu().float()))
-    w13 = t["w13_weight"].cpu()
-    if gated:
-        w13, s13 = split_cat_halves(w13, -2), split_cat_halves(s13, -2)
-    return {
-        "w13_weight": w13,
-        "w13_weight_scale": swizzle_blockscale(s13),
-        "w2_weight": t["w2_weight"].cpu(),
-        "w2_weight_scale": swizzle_blockscale(s2),
-        "w13_weight_scale_2": g13.contiguous(),
-        "w2_weight_scale_2": g2,
-        "w1_alpha": alpha1,
-        "w2_alpha": alpha2,
-    }
 
 
 def _layer(e, h, i, gated, device, cap, mode="alpha"):
@@ -162,93 +92,6 @@ def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
     # fold.
     assert torch.equal(experts.prepared.w1_alpha.cpu(), alphas["w1_alpha"])
     assert torch.equal(experts.prepared.w2_alpha.cpu(), alphas["w2_alpha"])
-
-
-def test_separate_w1_w3_global_scales_are_exact():
-    # Up (w3) weights 4x larger than gate (w1): their global scales differ 4x.
-    e, h, i, topk = 4, 256, 128, 2
-    w1, w2 = bf16_experts(e, i, h, gated=True, seed=31)
-    w1[:, i:] *= 4
-    tensors = quantize_experts_modelopt(w1, w2, gated=True, shared_w13_scale=False)
-    s2 = tensors["w13_weight_scale_2"]
-    ratio = s2[:, 1] / s2[:, 0]
-    assert ((ratio > 3) & (ratio < 5)).all(), ratio
-    layer = make_nvfp4_layer(e, topk, h, i, True, BACKEND, weights_only=True)
-    load_nvfp4_experts(layer, tensors)
-    layer.quant_method.process_weights_after_loading(layer)
-    gen = torch.Generator().manual_seed(32)
-    x = torch.randn(32, h, generator=gen).bfloat16()
-    logits = torch.randn(32, e, generator=gen)
-    dw1, dw2 = dequantized_experts(tensors, gated=True)
-    ref = torch_moe(x, dw1, dw2, logits, topk, renormalize=True)
-    out = layer(x, logits)
-    # Tolerance: the weights-only tolerance of test_flashinfer_b12x_moe (0.01):
-    # the up/gate ratio rides on w2_alpha, no block scale is rewritten.
-    assert rel_rms_error(out, ref) < 0.01
-    # ...and the block scales are the loaded ones, reordered and swizzled.
-    want = swizzle_blockscale(split_cat_halves(tensors["w13_weight_scale"], -2))
-    assert torch.equal(bytes_of(layer.w13_weight_scale.data), bytes_of(want))
-    # The benchmark's precision report sees the same: exact up to float32
-    # rounding of the alphas (the fold would be ~1e-2 here).
-    report = prepared_weight_precision(layer, tensors, "full")
-    assert report["rel_rms"] < 1e-6, report
-    # Control: folding both halves with w1's scale (dropping w3's, as the
-    # legacy fold did) misses by far.
-    dropped = dict(tensors)
-    dropped["w13_weight_scale_2"] = s2[:, :1].expand(e, 2).contiguous()
-    dw1_dropped, _ = dequantized_experts(dropped, gated=True)
-    ref_dropped = torch_moe(x, dw1_dropped, dw2, logits, topk, renormalize=True)
-    assert rel_rms_error(out, ref_dropped) > 0.5
-    # ...and the legacy fold's scale bytes do differ from the exact ones.
-    legacy = legacy_fold(tensors["w13_weight_scale"], s2)
-    exact = fold_reference(tensors["w13_weight_scale"], s2)
-    assert not torch.equal(bytes_of(legacy), bytes_of(exact))
-
-
-def _prep_peak(layer, device) -> int:
-    with measure_peak_memory(device) as mem:
-        layer.quant_method.process_weights_after_loading(layer)
-    return mem.peak_bytes
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cap", [64 * MIB, 4 * MIB], ids=["64MiB", "4MiB"])
-@pytest.mark.parametrize("model", ["qwen3.6-35b-a3b", "nemotron-3-nano-30b-a3b"])
-def test_whole_preparation_of_a_real_layer_stays_within_cap(model, cap, device):
-    # Qwen3.6-35B-A3B: gated, no padding. Nemotron-3-Nano: relu2, I = 1856
-    # rows, so its w13 block scales need padding to 1920 rows.
-    preset = get_preset(model)
-    tensors = synthetic_layer_tensors(preset, 1, torch.device(device), seed=0)
-    layer = make_nvfp4_layer(
-        preset.num_experts, preset.top_k, preset.hidden_size,
-        preset.intermediate_size, preset.is_gated, BACKEND, device=device,
-        max_transient_bytes=cap,
-    )  # fmt: skip
-    load_nvfp4_experts(layer, tensors)
-    peak = _prep_peak(layer, device)
-    assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"
-    # ...and it produced the right bytes, not only a small peak.
-    want = whole_tensor_preparation(tensors, preset.is_gated)
-    kernel = layer.quant_method.experts.prepared
-    for key in ("w1_alpha", "w2_alpha"):
-        assert torch.equal(getattr(kernel, key).cpu(), want.pop(key)), key
-    for name, expected in want.items():
-        got = getattr(layer, name).detach().cpu().contiguous()
-        assert torch.equal(bytes_of(got), bytes_of(expected)), name
-
-    # Control: the legacy pipeline on the same layer needs a full copy of w13
-    # (288 MiB for Qwen3.6) and 4x-size float32 temporaries of the scales.
-    legacy = {k: v.clone() for k, v in tensors.items()}
-    peaks = {}
-    for name, step in legacy_preparation_steps(legacy, gated=preset.is_gated):
-        with measure_peak_memory(device) as mem:
-            step()
-        peaks[name] = mem.peak_bytes
-    w13_scale_bytes = tensors["w13_weight_scale"].numel()
-    if preset.is_gated:
-        assert peaks["reorder"] >= tensors["w13_weight"].numel() + w13_scale_bytes
-    assert peaks["fold"] >= 4 * w13_scale_bytes
-    assert max(peaks.values()) > 4 * cap
 
 
 @pytest.mark.parametrize("device", DEVICES)

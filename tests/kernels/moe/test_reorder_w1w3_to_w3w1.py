@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.kernels.moe.utils import split_cat_halves
 from tests.kernels.utils import DEVICES, bytes_of, random_bits
-from vllm.benchmarks.legacy_moe_prep import split_cat_halves
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from vllm.benchmarks import moe_weight_prep
+from vllm.benchmarks.moe_weight_prep import cli as moe_weight_prep
 
 __all__ = ["BENCHMARKS", "add_bench_subparser"]
 

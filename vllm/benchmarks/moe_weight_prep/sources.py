@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_weight_prep_ranks import RankShard
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.shard import RankShard
 
 __all__ = [
     "checkpoint_quant_modes",

@@ -1,39 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The main job's report: the text table and the memory plot of one result
-of :func:`vllm.benchmarks.moe_weight_prep_run.run_benchmark`."""
+"""The main job's text report: the tables of one rank's result, of the ranks
+of ``--tp N``, of a W4A16 result, and where the job's time went."""
 
 from __future__ import annotations
 
-import os
-
 __all__ = [
     "JOB_PHASES",
-    "STEP_COLOURS",
-    "format_job_time",
-    "format_speedup",
-    "plot_figure",
+    "MIB",
     "REPORTED_STEPS",
     "VARIANTS",
+    "W4A16_VARIANTS",
+    "format_job_time",
     "format_mib",
     "format_ranks",
     "format_report",
-    "write_plot",
+    "format_secs",
+    "format_speedup",
+    "format_w4a16_report",
 ]
 
 MIB = 1 << 20
 #: Steps reported per variant; "total" is the whole preparation.
 #: Steps in the bounded preparation's order (the legacy one runs reorder,
-#: swizzle, fold), then the sum; the plot uses the same names and colours.
+#: swizzle, fold), then the sum; the plot uses the same names.
 REPORTED_STEPS = ("validate", "fold", "reorder", "swizzle", "finalize", "total")
-STEP_COLOURS = {
-    "validate": "tab:gray",
-    "fold": "tab:red",
-    "reorder": "tab:blue",
-    "swizzle": "tab:green",
-    "finalize": "tab:purple",
-}
 VARIANTS = ("legacy", "bounded")
+#: Variant -> what it is (the report's labels).
+W4A16_VARIANTS = {
+    "flashinfer-public-model": "FlashInfer's public path as memory: a full packed "
+    "copy kept, made with this package's reference (not timed)",
+    "flashinfer-public": "FlashInfer 0.7.4 public (reuse_input_storage=False)",
+    "flashinfer-inplace": "FlashInfer 0.7.4 in place (reuse_input_storage=True)",
+    "bounded": "this tree, bounded in place",
+}
 #: Phases of the job whose time the run records (``phase_times_s``).
 #: "timed" is the step table's time (its totals, legacy plus bounded);
 #: "copy_in" what each timed preparation needs first and the table leaves
@@ -64,11 +64,13 @@ def format_speedup(baseline_s: float | None, new_s: float | None) -> str:
 
 
 def format_mib(n: float | None) -> str:
+    """``n`` bytes as "1,234.5 MiB"; "-" for None."""
     return "-" if n is None else f"{n / MIB:,.1f} MiB"
 
 
-def _secs(n: float | None) -> str:
-    return "-" if n is None else f"{n:.3f} s"
+def format_secs(t: float | None, digits: int = 3) -> str:
+    """``t`` seconds as "1.234 s" (``digits`` decimals); "-" for None."""
+    return "-" if t is None else f"{t:.{digits}f} s"
 
 
 def _layers(n: int, noun: str) -> str:
@@ -102,7 +104,7 @@ def format_report(result: dict) -> str:
         lines.append(
             f"{step:<9}{format_mib(leg['max_transient_bytes']):>14}"
             f"{format_mib(bnd['max_transient_bytes']):>15}"
-            f"{_secs(leg['total_time_s']):>14}{_secs(bnd['total_time_s']):>15}"
+            f"{format_secs(leg['total_time_s']):>14}{format_secs(bnd['total_time_s']):>15}"
         )
     total_bytes = result["num_layers"] * result["resident_bytes_per_layer"]
     lt, bt = s["legacy"]["total"]["total_time_s"], s["bounded"]["total"]["total_time_s"]
@@ -113,7 +115,7 @@ def format_report(result: dict) -> str:
         "",
         f"totals: {_layers(result['num_layers'], 'layer')}, "
         f"{format_mib(total_bytes)} of expert "
-        f"weights prepared; time legacy {_secs(lt)}, bounded {_secs(bt)}"
+        f"weights prepared; time legacy {format_secs(lt)}, bounded {format_secs(bt)}"
         + (f" (bounded {format_speedup(lt, bt)})" if lt and bt else ""),
         "free memory needed above the resident weights: legacy "
         f"{format_mib(s['legacy']['total']['max_transient_bytes'])}, bounded "
@@ -196,8 +198,10 @@ def format_ranks(results: list[dict]) -> str:
     layer, peaks and summed times of both variants) and their maximum."""
 
     def row(label, shard, resident, lp, bp, lt, bt):
-        return (f"{label:<6}{shard:<10}{format_mib(resident):>15}{format_mib(lp):>13}"
-                f"{format_mib(bp):>14}{_secs(lt):>13}{_secs(bt):>14}")  # fmt: skip
+        return (
+            f"{label:<6}{shard:<10}{format_mib(resident):>15}{format_mib(lp):>13}"
+            f"{format_mib(bp):>14}{format_secs(lt):>13}{format_secs(bt):>14}"
+        )
 
     lines = [
         f"per rank: {len(results)} processes, each preparing its own shard of "
@@ -221,106 +225,64 @@ def format_ranks(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_plot(result: dict, path: str) -> None:
-    """Write :func:`plot_figure` of ``result`` to ``path`` (format by its
-    extension; :func:`vllm.benchmarks.output_files.check_output_path`
-    checks it before the run)."""
-    fig = plot_figure(result)  # selects the Agg backend first
-    import matplotlib.pyplot as plt
-
-    fmt = os.path.splitext(path)[1].lstrip(".").lower() or "png"
-    try:
-        fig.savefig(path, dpi=110, format=fmt)
-    finally:
-        plt.close(fig)
-
-
-def _reference_lines(result: dict) -> list[tuple[float, str, str]]:
-    """(MiB, label, line style) of the horizontal lines a panel may draw."""
-    lines = [(result["max_transient_bytes"] / MIB, "bounded cap", "--")]
+def format_w4a16_report(result: dict) -> str:
+    """The table of one :func:`run_w4a16_benchmark` result."""
+    n = result["num_layers"]
+    lines = [
+        f"W4A16 (weight-only NVFP4) preparation for b12x: model {result['model']} "
+        f"({result['hf_id']}, {result['source']} weights), device "
+        f"{result['device']}, {n} MoE layer{'s' * (n != 1)}, activation "
+        f"{result['activation']}"
+        + (f", {b} busy core(s)" if (b := result.get("busy_cores")) else ""),
+        f"per layer: resident {format_mib(result['resident_bytes_per_layer'])} of "
+        f"weights and scales; bounded cap {format_mib(result['max_transient_bytes'])}",
+        "",
+        f"{'variant':<25}{'peak/layer':>12}{'kept/layer':>12}{'time/layer':>12}"
+        f"{'model peak':>13}{'model kept':>13}{'model time':>12}",
+    ]
+    for name, s in result["summary"].items():
+        lines.append(
+            f"{name:<25}{format_mib(s['peak_per_layer_bytes']):>12}"
+            f"{format_mib(s['kept_per_layer_bytes']):>12}"
+            f"{format_secs(s['median_time_per_layer_s'], 3):>12}"
+            f"{format_mib(s['model_peak_bytes']):>13}{format_mib(s['model_kept_bytes']):>13}"
+            f"{format_secs(s['model_time_s'], 2):>12}"
+        )
+    lines.append(
+        f"{'memcpy of the layer':<25}{'':>24}"
+        f"{result['memcpy_median_time_per_layer_s']:>10.3f} s{'':>26}"
+        f"{result['memcpy_model_time_s']:>10.2f} s"
+    )
+    checked = "layer" if result["source"] == "checkpoint" else "shape"
+    lines += [
+        "(peak: the most a layer's preparation allocates above its resident "
+        "tensors, metered once per shape; kept: what stays allocated beside "
+        "them after it; model peak: the earlier layers' kept copies plus one "
+        "layer's peak; time/layer: median of the timed runs)",
+        *(f"  {k}: {v}" for k, v in W4A16_VARIANTS.items() if k in result["summary"]),
+        f"every variant gives the same bytes (checked per {checked})",
+    ]
+    if d := result.get("gate_up_scales_differ"):
+        lines.append(
+            f"  except w2_global_scale: in {d} expert(s) of a layer gate and up "
+            "have different global scales; this tree carries up / gate in FC2's "
+            "alpha (exact), FlashInfer's path takes one FC1 scale for both"
+        )
+    if result["flashinfer_skipped"]:
+        lines.append(
+            f"FlashInfer's own functions not run: {result['flashinfer_skipped']}"
+        )
+    p = result["precision"]
+    if p:
+        lines.append(
+            f"precision of the bounded result vs the checkpoint (first layer, "
+            f"experts {p['experts']}): rel. RMS {p['rel_rms']:.4g}; block scales "
+            f"flushed to 0 by the W4A16 encoding: {p['flushed']:,} of {p['total']:,}"
+        )
     if result.get("memory_limit_bytes") is not None:
-        lines.append((result["memory_limit_bytes"] / MIB, "--memory-limit", ":"))
-    return lines
-
-
-def plot_figure(result: dict):
-    """The first layer's preparation, legacy and bounded side by side:
-    MiB allocated above the resident weights against time (ms). Each step
-    spans its duration in the timed run, coloured as in ``STEP_COLOURS``;
-    the metered allocation levels are spread over it in the order they
-    happened (the meter itself slows code down, so it gives no times).
-
-    Each panel has its own scales (the bounded trace is a few MiB where the
-    legacy one reaches hundreds). The cap and ``--memory-limit`` are drawn
-    where they fall within a panel's range (up to 3x its highest level),
-    else named in its corner with their value. A parallel run's plot is of
-    one rank's result: the title says which."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
-
-    timelines = result["first_layer_timelines"]
-    references = _reference_lines(result)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
-    for ax, variant in zip(axes, VARIANTS, strict=True):
-        records = timelines[variant]
-        total_ms = sum((r.get("time_s") or 0.0) for r in records) * 1e3
-        min_width = max(total_ms, 1e-3) / 100  # a short step stays visible
-        x0, base, top = 0.0, 0.0, 0.0
-        for rec in records:
-            width = max((rec.get("time_s") or 0.0) * 1e3, min_width)
-            levels = [lvl for _, lvl in rec["timeline"]]
-            if not levels and rec["peak_bytes"] is not None:
-                levels = [rec["peak_bytes"], rec["growth_bytes"]]  # CUDA: no timeline
-            xs, ys = [x0], [base]
-            for j, lvl in enumerate(levels):
-                xs.append(x0 + width * (j + 1) / (len(levels) + 1))
-                ys.append(base + lvl / MIB)
-            base += rec["growth_bytes"] / MIB
-            xs.append(x0 + width)
-            ys.append(base)
-            top = max(top, *ys)
-            colour = STEP_COLOURS.get(rec["step"], "black")
-            ax.step(xs, ys, where="post", color=colour, lw=1.6)
-            ax.fill_between(xs, ys, step="post", color=colour, alpha=0.2, lw=0)
-            x0 += width
-        top = max(top, 1e-3)
-        off_scale = []
-        for mib, label, style in references:
-            if mib <= 3 * top:
-                ax.axhline(mib, color="black", ls=style, lw=0.8, label=label)
-                top = max(top, mib)
-            else:
-                off_scale.append(f"{label} {mib:,.1f} MiB: above this scale")
-        if off_scale:
-            ax.text(0.99, 0.97, "\n".join(off_scale), transform=ax.transAxes,
-                    ha="right", va="top", fontsize=8)  # fmt: skip
-        ax.set_ylim(0, top * 1.15)
-        ax.set_xlim(0, x0)
-        ax.set_xlabel("time (ms)")
-        ax.set_ylabel("MiB allocated above the resident weights")
-        ax.set_title(f"{variant}: " + " -> ".join(r["step"] for r in records),
-                     fontsize=9)  # fmt: skip
-    present = {r["step"] for v in VARIANTS for r in timelines[v]}
-    handles = [Patch(color=STEP_COLOURS[s], alpha=0.6, label=s)
-               for s in REPORTED_STEPS if s in present]  # fmt: skip
-    for _, label, style in references:
-        handles.append(Line2D([], [], color="black", ls=style, lw=0.8, label=label))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    world = result.get("tp_size", 1) * result.get("ep_size", 1)
-    rank = (
-        f", rank {result['rank']} of {world} ({result['shard']}; the others in "
-        "the JSON)"
-        if world > 1
-        else ""
-    )
-    fig.suptitle(
-        f"{result['model']}: one MoE layer's weight preparation on "
-        f"{result['device']}{rank} (each panel its own scale)",
-        fontsize=10,
-    )
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    return fig
+        verdict = "fits" if result["memory_limit_ok"] else "EXCEEDS"
+        lines.append(
+            f"memory limit {format_mib(result['memory_limit_bytes'])} above the "
+            f"resident weights (checked against the meter): bounded {verdict}"
+        )
+    return "\n".join(lines)

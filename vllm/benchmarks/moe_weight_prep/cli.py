@@ -1,72 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``vllm bench moe-weight-prep``: NVFP4 MoE weight preparation, legacy vs bounded.
-
-For every MoE layer of a model preset, one layer at a time::
-
-    synthetic NVFP4 layer (random codes and scales of the exact shapes)
-      -> legacy  preparation: reorder (split+cat), swizzle (padded + permuted
-                 copies), fold (float32 whole-tensor products)
-      -> bounded preparation: FusedMoE's own process_weights_after_loading
-                 for the b12x backends (fold, reorder, swizzle, finalize)
-      -> check: both give the same bytes
-
-Each variant runs twice on fresh copies of the layer: once timed, once under
-:func:`vllm.utils.mem_utils.measure_peak_memory` (the CPU meter uses the
-profiler, which slows code down). A step's *peak transient* is its metered
-peak minus the growth of the resident parameters it leaves behind (a padded
-swizzle result replaces a smaller source): the free memory the step needs
-above the weights resident before and after it.
-
-This module is the command line; the run of one rank is in
-``moe_weight_prep_run``, the ranks of ``--tp N`` in ``moe_weight_prep_ranks``,
-the ``--checkpoint`` source in ``moe_checkpoint_source`` and the report in
-``moe_weight_prep_report``.
-"""
+"""``vllm bench moe-weight-prep``: its command line (arguments, their checks,
+the presets' list); the job itself is :func:`~.run.run_job`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import sys
 import time
 
 import torch
 
-from vllm.benchmarks.busy_cores import busy_cores
-from vllm.benchmarks.moe_checkpoint_source import checkpoint_source
-from vllm.benchmarks.moe_model_presets import MOE_MODEL_PRESETS, get_preset
-from vllm.benchmarks.moe_prep_precision import PRECISION_CHOICES
-from vllm.benchmarks.moe_w4a16_cli import (
-    add_quant_arg,
-    resolve_quant,
-    run_w4a16_command,
-)
-from vllm.benchmarks.moe_weight_prep_ranks import rank_job, run_ranks, shard_of
-from vllm.benchmarks.moe_weight_prep_report import (
-    format_job_time,
-    format_mib,
-    format_ranks,
-    format_report,
-    write_plot,
-)
-from vllm.benchmarks.moe_weight_prep_run import check_num_layers
-from vllm.benchmarks.output_files import check_output_path, write_atomically
-from vllm.distributed.launcher import WorkerError
+from vllm.benchmarks.moe_weight_prep.output_files import check_output_path
+from vllm.benchmarks.moe_weight_prep.precision import PRECISION_CHOICES
+from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS
+from vllm.benchmarks.moe_weight_prep.report import format_mib
+from vllm.benchmarks.moe_weight_prep.run import run_job, write_json
+from vllm.benchmarks.moe_weight_prep.sources import checkpoint_quant_modes
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
 )
-from vllm.utils.argparse_utils import RunError, core_count, positive_int
+from vllm.utils.argparse_utils import core_count, positive_int
 
 __all__ = [
     "CLI_DESCRIPTION",
     "CLI_HELP",
+    "QUANT_CHOICES",
     "add_cli_args",
     "main",
     "parse_size",
+    "resolve_quant",
 ]
 
 CLI_HELP = "NVFP4 MoE weight preparation for FlashInfer: legacy vs bounded"
@@ -78,6 +43,9 @@ CLI_DESCRIPTION = (
     "both give the same bytes, and the precision of the prepared weights."
 )
 
+
+#: ``--quant`` values: a mode, or the checkpoint's declared one.
+QUANT_CHOICES = ("auto", "w4a4", "w4a16")
 
 #: Largest size accepted on the command line (1 PiB).
 MAX_CLI_SIZE = 1 << 50
@@ -127,7 +95,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="the kernel whose weight preparation is measured (its preparation "
         "runs on any device; the kernel itself is not called)",
     )
-    add_quant_arg(parser)
+    parser.add_argument(
+        "--quant",
+        default="auto",
+        choices=QUANT_CHOICES,
+        help="w4a4: NVFP4 weights and activations (legacy vs bounded); w4a16: "
+        "weight-only NVFP4, FlashInfer's W4A16 layout (FlashInfer's public "
+        "path, its in-place mode where flashinfer is installed, and the "
+        "bounded one); auto: a checkpoint's declared mode, w4a4 for a preset "
+        "(default %(default)s)",
+    )
     parser.add_argument(
         "--global-scale-mode",
         default="alpha",
@@ -246,12 +223,40 @@ def _list_presets() -> str:
 MIN_CLI_MAX_TRANSIENT = 64 << 10
 
 
-def _write_json(path: str, value) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "w") as f:
-            json.dump(value, f, indent=2)
+def resolve_quant(args: argparse.Namespace) -> str:
+    """``"w4a4"`` or ``"w4a16"`` for ``--quant`` (auto: what a checkpoint
+    declares; a preset is w4a4). ValueError for ``auto`` on a checkpoint
+    that mixes the two."""
+    quant = getattr(args, "quant", "auto")
+    if quant != "auto":
+        return quant
+    if not args.checkpoint:
+        return "w4a4"
+    modes = checkpoint_quant_modes(args.checkpoint)
+    found = sorted(set(modes.values()))
+    if len(found) > 1:
+        w4a16 = [i for i, m in modes.items() if m == "w4a16"]
+        raise ValueError(
+            f"--checkpoint {args.checkpoint} mixes w4a4 and w4a16 MoE layers "
+            f"(w4a16: {w4a16}): pass --quant w4a4 or --quant w4a16 to measure "
+            "those layers"
+        )
+    return found[0]
 
-    write_atomically(path, write)
+
+def _check_w4a16_args(args: argparse.Namespace) -> None:
+    unsupported = [
+        ("--tp", args.tp != 1),
+        ("--enable-expert-parallel", args.enable_expert_parallel),
+        ("--global-scale-mode fold", args.global_scale_mode == "fold"),
+        ("--plot", bool(args.plot)),
+    ]
+    for flag, given in unsupported:
+        if given:
+            raise ValueError(
+                f"{flag} is not supported with --quant w4a16 (one process; W4A16 "
+                "keeps the global scales as the kernel's alphas)"
+            )
 
 
 def _device(name: str) -> torch.device:
@@ -274,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
         print(_list_presets())
         if json_path:
             presets = [dataclasses.asdict(p) for p in MOE_MODEL_PRESETS.values()]
-            _write_json(json_path, {"presets": presets})
+            write_json(json_path, {"presets": presets})
             print(f"wrote {json_path}")
         return 0
     if args.max_transient < MIN_CLI_MAX_TRANSIENT:
@@ -300,75 +305,9 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.checkpoint and not os.path.lexists(args.checkpoint):
         raise ValueError(f"--checkpoint {args.checkpoint}: no such directory")
-    if resolve_quant(args) == "w4a16":
-        return run_w4a16_command(args, device)
-    rank0 = shard_of(0, n, args.enable_expert_parallel)
-    if args.checkpoint:
-        preset, _ = checkpoint_source(args.checkpoint, rank0, device)
-    else:
-        preset = get_preset(args.model)
-        rank0.check(preset)  # a bad --tp is refused before anything runs
-    # Before any rank is spawned: the same error for one rank or N.
-    check_num_layers(preset, args.num_layers)
-    params = {
-        "preset": preset,
-        "checkpoint": args.checkpoint,
-        "world_size": n,
-        "expert_parallel": args.enable_expert_parallel,
-        "device": device.type,
-        "num_layers": args.num_layers,
-        "max_transient_bytes": args.max_transient,
-        "memory_limit": args.memory_limit,
-        "seed": args.seed,
-        "progress": not args.no_progress,
-        "global_scale_mode": args.global_scale_mode,
-        "precision": args.precision,
-    }
-    try:
-        with busy_cores(args.busy_cores):
-            results = [rank_job(0, params)] if n == 1 else run_ranks(params)
-    except KeyboardInterrupt:
-        if n > 1 and not args.no_progress:
-            # Rank 0's progress bar was stopped mid-line (by its parent, so
-            # it could not close it): the Ctrl-C line starts on its own.
-            sys.stderr.write("\n")
-        raise
-    except (ValueError, OSError, RuntimeError) as e:
-        if isinstance(e, WorkerError):
-            raise
-        raise RunError(str(e).splitlines()[0] if str(e) else repr(e)) from e
-    wall = time.perf_counter() - start
-    for result in results:
-        result["busy_cores"] = args.busy_cores
-    print(format_report(results[0]))
-    if n > 1:
-        print()
-        print(format_ranks(results))
-    print(format_job_time(results[0]["phase_times_s"], wall))
-    if json_path:
-        job = {"world_size": n, "expert_parallel": args.enable_expert_parallel,
-               "busy_cores": args.busy_cores, "precision": args.precision,
-               "wall_time_s": wall, "ranks": results}  # fmt: skip
-        _write_json(json_path, job)
-        print(f"wrote {json_path}")
-    if plot_path:
-        try:
-            write_atomically(plot_path, lambda tmp: write_plot(results[0], tmp))
-        except (OSError, ValueError, RuntimeError) as e:
-            what = getattr(e, "strerror", None) or str(e).splitlines()[0]
-            raise RunError(f"--plot {args.plot}: {what}") from e
-        print(f"wrote {plot_path}")
-    over = [
-        r["rank"]
-        for r in results
-        if r["memory_limit_ok"] is not None and not r["memory_limit_ok"]["bounded"]
-    ]
-    if over:
-        where = "" if n == 1 else f" on rank(s) {', '.join(map(str, over))}"
-        print(
-            "vllm bench moe-weight-prep: error: the bounded preparation exceeds "
-            f"--memory-limit {format_mib(args.memory_limit)}{where}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    quant = resolve_quant(args)
+    if quant == "w4a16":
+        _check_w4a16_args(args)
+    return run_job(
+        args, device, quant, start=start, json_path=json_path, plot_path=plot_path
+    )

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One rank's run of ``vllm bench moe-weight-prep``: legacy vs bounded, per layer."""
+"""One rank's W4A4 layers in ``vllm bench moe-weight-prep``: legacy vs bounded,
+per step and layer."""
 
 from __future__ import annotations
 
@@ -14,23 +15,26 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from vllm.benchmarks.legacy_moe_prep import (
+from vllm.benchmarks.moe_weight_prep.baselines import (
     legacy_preparation_steps,
     split_cat_halves,
 )
-from vllm.benchmarks.memory_limit import limit_cuda_memory
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_prep_precision import (
+from vllm.benchmarks.moe_weight_prep.checks import check_num_layers, same_bytes
+from vllm.benchmarks.moe_weight_prep.layer import make_layer
+from vllm.benchmarks.moe_weight_prep.memory_limit import limit_cuda_memory
+from vllm.benchmarks.moe_weight_prep.precision import (
     PRECISION_CHOICES,
     prepared_weight_precision,
 )
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
-from vllm.benchmarks.moe_weight_prep_ranks import RankShard
-from vllm.benchmarks.moe_weight_prep_report import (
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.report import (
     JOB_PHASES,
     REPORTED_STEPS,
     VARIANTS,
 )
+from vllm.benchmarks.moe_weight_prep.shard import RankShard
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
@@ -42,34 +46,9 @@ from vllm.utils.mem_utils import measure_peak_memory
 
 __all__ = [
     "StepRecord",
-    "check_num_layers",
+    "check_equal",
     "run_benchmark",
 ]
-
-
-def _make_layer(preset, shard, device, tensors, cap, mode="alpha"):
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-
-    # The emulated backend runs the kernel backend's preparation line for
-    # line (it subclasses it) on any device.
-    layer = FusedMoE(
-        num_experts=preset.num_experts,
-        top_k=preset.top_k,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        activation=preset.activation,
-        quant_config=ModelOptNvFp4Config.for_mode(),
-        moe_backend="flashinfer_b12x_emulated",
-        device=device,
-        **shard.layer_kwargs(),
-        place_w3w1_at_load=False,  # tensors are copied in checkpoint layout
-        experts_kwargs={"max_transient_bytes": cap, "global_scale_mode": mode},
-    )
-    with torch.no_grad():
-        for name, value in tensors.items():
-            getattr(layer, name).copy_(value)
-    return layer
 
 
 def _resident_bytes(tensors) -> int:
@@ -103,11 +82,6 @@ class StepRecord:
         return max(0, self.peak_bytes - max(0, self.growth_bytes))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _run_steps(
     steps: list[tuple[str, Callable[[], None]]],
     resident: Callable[[], int],
@@ -127,10 +101,10 @@ def _run_steps(
                 rec.peak_bytes = mem.peak_bytes
                 rec.timeline = mem.timeline
             else:
-                _sync(device)
+                wait_for_step(device)
                 start = time.perf_counter()
                 fn()
-                _sync(device)
+                wait_for_step(device)
                 rec.time_s = time.perf_counter() - start
         except torch.OutOfMemoryError as e:
             rec.error = f"out of memory: {str(e).splitlines()[0]}"
@@ -165,7 +139,7 @@ def _bounded_run(
     """The bounded steps on a new layer holding ``tensors``; ``copy_in()`` is
     the context the layer is built and filled in."""
     with copy_in():
-        layer = _make_layer(preset, shard, device, tensors, cap, mode)
+        layer = make_layer(preset, shard, device, tensors, cap, mode)
     steps = layer.quant_method.preparation_steps(layer)
     # One thread setting around all steps, as process_weights_after_loading.
     with moe_prep_threads(device):
@@ -174,13 +148,7 @@ def _bounded_run(
     return records, layer
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
-
-
-def _check_equal(layer, legacy: dict, tensors: dict, layer_idx: int, mode: str):
+def check_equal(layer, legacy: dict, tensors: dict, layer_idx: int, mode: str):
     """The bounded preparation's bytes against the legacy one's (weights, and
     in "fold" mode the folded scales) or, in "alpha" mode, against the
     checkpoint's own block scales reordered and swizzled."""
@@ -202,7 +170,7 @@ def _check_equal(layer, legacy: dict, tensors: dict, layer_idx: int, mode: str):
     for name in names:
         expected[name] = legacy[name]
     for name, want in expected.items():
-        if not _same_bytes(getattr(layer, name).data, want):
+        if not same_bytes(getattr(layer, name).data, want):
             raise RuntimeError(
                 f"layer {layer_idx}: the bounded preparation ({mode}) differs from "
                 f"the reference in {name}"
@@ -225,18 +193,6 @@ def _summarize(records: list[StepRecord]) -> dict[str, dict]:
 
 
 # --- the benchmark -------------------------------------------------------------------
-
-
-def check_num_layers(preset: MoEModelPreset, num_layers: int | None) -> int:
-    """The number of layers to run (``None``: all of ``preset``'s), or the
-    command line's ValueError; the job checks it before spawning ranks."""
-    layers = preset.num_moe_layers if num_layers is None else num_layers
-    if not 1 <= layers <= preset.num_moe_layers:
-        raise ValueError(
-            f"--num-layers must be in [1, {preset.num_moe_layers}] for "
-            f"{preset.name}, got {layers}"
-        )
-    return layers
 
 
 class _PhaseClock:
@@ -346,7 +302,7 @@ def run_benchmark(
             ok = not any(r.error for r in legacy_timed + bounded_timed)
             with clock("check"):
                 if ok and check:
-                    _check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
+                    check_equal(layer, legacy_out, tensors, idx, global_scale_mode)
                 del legacy_out
             with clock("precision"):
                 if ok and decode:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
 
 __all__ = ["SYNTHETIC_WEIGHT_STD", "synthetic_layer_tensors", "synthetic_w13"]
 

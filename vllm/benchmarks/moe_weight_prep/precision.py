@@ -6,7 +6,9 @@ Decodes weights twice: from the checkpoint tensors
 (``e2m1 * block_scale * weight_scale_2``, [w1; w3]) and from the prepared
 layer exactly as the b12x kernel reads it (codes, block scales through the
 MMA-layout view, times the per-expert alphas, [w3; w1]), and counts the FP8
-block scales that a fold pushed out of E4M3's normal range. Benchmarks only.
+block scales that a fold pushed out of E4M3's normal range; for W4A16
+(:func:`w4a16_precision`) the packed layout decoded as the kernel reads it.
+Benchmarks only.
 
 What is decoded (``how``, the main job's ``--precision``):
 
@@ -33,6 +35,8 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import 
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     mma_layout_to_linear,
+    w4a16_alpha,
+    w4a16_dequantize,
 )
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "describe_sample",
     "precision_sample",
     "prepared_weight_precision",
+    "w4a16_precision",
 ]
 
 #: ``--precision`` values: decode a sample, everything, or nothing.
@@ -268,3 +273,56 @@ def _prepared_range_counts(layer, prefix: str, rows: int, cols: int) -> dict:
     counts["total"] -= padding
     counts["zero"] -= padding
     return counts
+
+
+def w4a16_precision(packed: dict, tensors: dict, experts: list[int]) -> dict:
+    """The packed weights decoded as the kernel reads them (codes times
+    block scale values, times the per-expert alpha) against the checkpoint's
+    own decode (``e2m1 * block_scale * scale_2``), for ``experts``.
+
+    Where an expert's gate and up global scales differ, the kernel's one FC1
+    alpha is the gate's and FC2's carries up / gate (``silu(g) * u`` is
+    linear in u): the decode moves that ratio back onto the up rows.
+
+    Returns ``rel_rms`` (0.0: exact) and ``flushed``: block scales nonzero in
+    the checkpoint that the W4A16 re-encoding flushed to 0 (under 2^-6 after
+    the power-of-two factor), with ``total`` block scales, over ``experts``.
+    """
+    err = ref = 0.0
+    flushed = total = 0
+    n = tensors["w13_weight"].shape[0]
+    s13 = tensors["w13_weight_scale_2"].cpu().float().reshape(n, -1)
+    for e in experts:
+        ratio = float(s13[e, -1] / s13[e, 0])  # up / gate; 1 when not gated
+        for prefix in ("w13", "w2"):
+            packed_w = packed[prefix][e : e + 1].cpu()
+            packed_s = packed[f"{prefix}_scale"][e : e + 1].cpu()
+            alpha = w4a16_alpha(packed[f"{prefix}_global_scale"][e].cpu())
+            got = w4a16_dequantize(packed_w, packed_s)[0] * alpha
+            if prefix == "w2":
+                got /= ratio
+            elif s13.shape[1] == 2:
+                got[got.shape[0] // 2 :] *= ratio
+            w = tensors[f"{prefix}_weight"][e].cpu()
+            s = tensors[f"{prefix}_weight_scale"][e].cpu()
+            s2 = tensors[f"{prefix}_weight_scale_2"].cpu()
+            s2 = s2.reshape(tensors[f"{prefix}_weight"].shape[0], -1)[e]
+            groups = s2.numel()
+            rows = w.shape[0] // groups
+            want = torch.cat([
+                dequantize_nvfp4(w[g * rows:(g + 1) * rows],
+                                 s[g * rows:(g + 1) * rows], 1.0) * s2[g]
+                for g in range(groups)
+            ])  # fmt: skip
+            err += float((got - want).square().sum())
+            ref += float(want.square().sum())
+            nonzero = s.view(torch.uint8) & 0x7F != 0
+            zero_now = packed_s.view(torch.uint8) == 0
+            flushed += int(zero_now.sum()) - int((~nonzero).sum())
+            total += s.numel()
+    return {
+        "experts": experts,
+        "rel_rms": (err / ref) ** 0.5 if ref else 0.0,
+        "flushed": flushed,
+        "total": total,
+    }

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``vllm bench moe-weight-prep --quant w4a16``: W4A16 (weight-only NVFP4)
-expert preparation for FlashInfer's b12x kernel, FlashInfer's way beside
-this tree's, per layer and for the model.
+"""One process's W4A16 layers in ``vllm bench moe-weight-prep --quant w4a16``:
+W4A16 (weight-only NVFP4) expert preparation for FlashInfer's b12x kernel,
+FlashInfer's way beside this tree's, per layer and for the model.
 
 For every MoE layer (synthetic of a preset's shapes, or a checkpoint's
 W4A16 layers), each variant on its own copy of the layer::
@@ -36,68 +36,37 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from vllm.benchmarks.flashinfer_w4a16_prep import (
+from vllm.benchmarks.moe_weight_prep.baselines import (
     PACKED_FIELDS,
     flashinfer_w4a16_prepare,
     flashinfer_w4a16_unavailable_reason,
     public_copy_reference,
 )
-from vllm.benchmarks.moe_model_presets import MoEModelPreset
-from vllm.benchmarks.moe_synthetic_weights import synthetic_layer_tensors
+from vllm.benchmarks.moe_weight_prep.checks import check_num_layers, same_bytes
+from vllm.benchmarks.moe_weight_prep.layer import make_layer
+from vllm.benchmarks.moe_weight_prep.precision import w4a16_precision
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.shard import RankShard
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    dequantize_nvfp4,
     swizzle_blockscale,
-    w4a16_alpha,
-    w4a16_dequantize,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 
 __all__ = [
     "UNTIMED_VARIANTS",
-    "W4A16_VARIANTS",
     "run_w4a16_benchmark",
-    "w4a16_precision",
 ]
 
-MIB = 1 << 20
 #: Variants run for their memory and bytes only, never timed: the modelled
 #: public path runs the package's reference, written to be read, not to be
 #: fast (FlashInfer's own functions give the public path's time).
 UNTIMED_VARIANTS = frozenset({"flashinfer-public-model"})
-#: Variant -> what it is (the report's labels).
-W4A16_VARIANTS = {
-    "flashinfer-public-model": "FlashInfer's public path as memory: a full packed "
-    "copy kept, made with this package's reference (not timed)",
-    "flashinfer-public": "FlashInfer 0.7.4 public (reuse_input_storage=False)",
-    "flashinfer-inplace": "FlashInfer 0.7.4 in place (reuse_input_storage=True)",
-    "bounded": "this tree, bounded in place",
-}
-
-
-def _w4a16_layer(preset: MoEModelPreset, device, tensors, cap: int):
-    """A W4A16 FusedMoE layer (emulated b12x: the kernel backend's own
-    preparation) holding a copy of ``tensors`` (checkpoint layout)."""
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-
-    layer = FusedMoE(
-        num_experts=preset.num_experts, top_k=preset.top_k,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size, activation=preset.activation,
-        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-        moe_backend="flashinfer_b12x_emulated", device=device,
-        place_w3w1_at_load=False, experts_kwargs={"max_transient_bytes": cap},
-    )  # fmt: skip
-    with torch.no_grad():
-        for name, value in tensors.items():
-            param = getattr(layer, name, None)
-            if param is not None:
-                param.copy_(value)
-    return layer
 
 
 def _flashinfer_inputs(tensors: dict) -> dict[str, torch.Tensor]:
@@ -141,7 +110,7 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
         return run
 
     def bounded(tensors):
-        layer = _w4a16_layer(preset, device, tensors, cap)
+        layer = make_layer(preset, RankShard(), device, tensors, cap, quant="w4a16")
 
         def prepare():
             with moe_prep_threads(device):
@@ -163,12 +132,6 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
     return out
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return tuple(a.shape) == tuple(b.shape) and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
-
-
 def _memcpy_time(tensors: dict, device: torch.device) -> float:
     """Seconds to copy the layer's weights and block scales once (the floor
     of any preparation that moves every byte)."""
@@ -177,67 +140,12 @@ def _memcpy_time(tensors: dict, device: torch.device) -> float:
     dsts = [torch.empty_like(s) for s in srcs]
     for d, s in zip(dsts, srcs, strict=True):  # touch the pages first
         d.copy_(s)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    wait_for_step(device)
     start = time.perf_counter()
     for d, s in zip(dsts, srcs, strict=True):
         d.copy_(s)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    wait_for_step(device)
     return time.perf_counter() - start
-
-
-def w4a16_precision(packed: dict, tensors: dict, experts: list[int]) -> dict:
-    """The packed weights decoded as the kernel reads them (codes times
-    block scale values, times the per-expert alpha) against the checkpoint's
-    own decode (``e2m1 * block_scale * scale_2``), for ``experts``.
-
-    Where an expert's gate and up global scales differ, the kernel's one FC1
-    alpha is the gate's and FC2's carries up / gate (``silu(g) * u`` is
-    linear in u): the decode moves that ratio back onto the up rows.
-
-    Returns ``rel_rms`` (0.0: exact) and ``flushed``: block scales nonzero in
-    the checkpoint that the W4A16 re-encoding flushed to 0 (under 2^-6 after
-    the power-of-two factor), with ``total`` block scales, over ``experts``.
-    """
-    err = ref = 0.0
-    flushed = total = 0
-    n = tensors["w13_weight"].shape[0]
-    s13 = tensors["w13_weight_scale_2"].cpu().float().reshape(n, -1)
-    for e in experts:
-        ratio = float(s13[e, -1] / s13[e, 0])  # up / gate; 1 when not gated
-        for prefix in ("w13", "w2"):
-            packed_w = packed[prefix][e : e + 1].cpu()
-            packed_s = packed[f"{prefix}_scale"][e : e + 1].cpu()
-            alpha = w4a16_alpha(packed[f"{prefix}_global_scale"][e].cpu())
-            got = w4a16_dequantize(packed_w, packed_s)[0] * alpha
-            if prefix == "w2":
-                got /= ratio
-            elif s13.shape[1] == 2:
-                got[got.shape[0] // 2 :] *= ratio
-            w = tensors[f"{prefix}_weight"][e].cpu()
-            s = tensors[f"{prefix}_weight_scale"][e].cpu()
-            s2 = tensors[f"{prefix}_weight_scale_2"].cpu()
-            s2 = s2.reshape(tensors[f"{prefix}_weight"].shape[0], -1)[e]
-            groups = s2.numel()
-            rows = w.shape[0] // groups
-            want = torch.cat([
-                dequantize_nvfp4(w[g * rows:(g + 1) * rows],
-                                 s[g * rows:(g + 1) * rows], 1.0) * s2[g]
-                for g in range(groups)
-            ])  # fmt: skip
-            err += float((got - want).square().sum())
-            ref += float(want.square().sum())
-            nonzero = s.view(torch.uint8) & 0x7F != 0
-            zero_now = packed_s.view(torch.uint8) == 0
-            flushed += int(zero_now.sum()) - int((~nonzero).sum())
-            total += s.numel()
-    return {
-        "experts": experts,
-        "rel_rms": (err / ref) ** 0.5 if ref else 0.0,
-        "flushed": flushed,
-        "total": total,
-    }
 
 
 def run_w4a16_benchmark(
@@ -246,6 +154,7 @@ def run_w4a16_benchmark(
     device: torch.device,
     num_layers: int | None = None,
     max_transient_bytes: int = DEFAULT_MAX_TRANSIENT_BYTES,
+    memory_limit: int | None = None,
     seed: int = 0,
     progress: bool = True,
     layer_tensors: Callable[[int], dict[str, torch.Tensor]] | None = None,
@@ -261,14 +170,11 @@ def run_w4a16_benchmark(
     Returns a JSON-serializable dict (configuration, per layer and variant
     time/peak/kept, the summary per variant and for the model, the memcpy
     floor, precision, ``flashinfer_skipped``: why FlashInfer's own functions
-    did not run, or None). RuntimeError if two variants differ in bytes.
+    did not run, or None; ``memory_limit_ok``: whether the bounded peak fits
+    ``memory_limit``, checked against the meter, None without a limit).
+    RuntimeError if two variants differ in bytes.
     """
-    layers = preset.num_moe_layers if num_layers is None else num_layers
-    if not 1 <= layers <= preset.num_moe_layers:
-        raise ValueError(
-            f"--num-layers must be in [1, {preset.num_moe_layers}] for "
-            f"{preset.name}, got {layers}"
-        )
+    layers = check_num_layers(preset, num_layers)
     why_not = flashinfer_w4a16_unavailable_reason()
     if flashinfer is None:
         flashinfer = why_not is None
@@ -311,8 +217,7 @@ def run_w4a16_benchmark(
             if timed:
                 start = time.perf_counter()
                 prepare()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                wait_for_step(device)
                 row[name]["time_s"] = time.perf_counter() - start
             elif new_shape:
                 with measure_peak_memory(device) as mem:
@@ -327,7 +232,7 @@ def run_w4a16_benchmark(
                 for field in PACKED_FIELDS:
                     if field == "w2_global_scale" and differ and name == "bounded":
                         continue  # carries up / gate: FlashInfer's cannot
-                    if not _same_bytes(out[field], reference[1][field]):
+                    if not same_bytes(out[field], reference[1][field]):
                         raise RuntimeError(
                             f"layer {idx}: {name} differs from {reference[0]} in "
                             f"{field}"
@@ -381,4 +286,8 @@ def run_w4a16_benchmark(
         "gate_up_scales_differ": gate_up_differ,
         "summary": summary,
         "layers": per_layer,
+        "memory_limit_bytes": memory_limit,
+        "memory_limit_ok": None
+        if memory_limit is None
+        else summary["bounded"]["peak_per_layer_bytes"] <= memory_limit,
     }
