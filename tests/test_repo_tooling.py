@@ -28,8 +28,11 @@ def test_ci_workflow_runs_ci_run_on_ubuntu_with_python_311():
     workflow = yaml.safe_load((ROOT / ".github/workflows/ci.yml").read_text())
     tests = workflow["jobs"]["tests"]
     assert tests["runs-on"] == "ubuntu-latest"
-    python = [s for s in tests["steps"] if s.get("uses", "").startswith(
-        "actions/setup-python")]  # fmt: skip
+    python = [
+        s
+        for s in tests["steps"]
+        if s.get("uses", "").startswith("actions/setup-python")
+    ]
     assert python[0]["with"]["python-version"] == "3.11"
     assert tests["steps"][-1]["run"] == "bash .ci/run"
     hooks = workflow["jobs"]["pre-commit"]["steps"][-1]
@@ -41,6 +44,7 @@ def test_ci_workflow_runs_ci_run_on_ubuntu_with_python_311():
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
 def test_the_tree_is_ruff_clean(command):
     # What the pre-commit hooks check, so that .ci/run enforces it too.
-    result = subprocess.run(["ruff", *command, "."], cwd=ROOT, capture_output=True,
-                            text=True)  # fmt: skip
+    result = subprocess.run(
+        ["ruff", *command, "."], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -107,8 +107,12 @@ def _step_bytes(tensors: dict, gated: bool) -> dict[str, dict[str, int]]:
     # alpha mode rewrites no block scale (differing gate/up global scales
     # ride on the FC2 alpha): its fold step moves nothing.
     for mode, fold in (("alpha", 0), ("fold", scales), ("legacy", scales)):
-        b = {"validate": 0 if mode == "legacy" else scales, "fold": fold,
-             "reorder": reorder if gated else 0, "swizzle": scales}  # fmt: skip
+        b = {
+            "validate": 0 if mode == "legacy" else scales,
+            "fold": fold,
+            "reorder": reorder if gated else 0,
+            "swizzle": scales,
+        }
         b["total"] = sum(b.values())
         out[mode] = b
     return out
@@ -293,7 +297,7 @@ def measure_device_ops(preset, tensors, layouts=LAYOUTS) -> dict:
                 "rewritten_bytes": rewritten[step],
                 "moved_bytes": moved[step],
                 "traffic_bytes": cuda[step]["traffic_bytes"],
-            }  # fmt: skip
+            }
             for step in cuda
         }
     return out
@@ -384,10 +388,17 @@ def _time_steps(make_layer, repeats: int, names) -> dict[str, list[float]]:
 
 def _time_bounded(preset, tensors, mode, repeats) -> dict[str, float]:
     times = _time_steps(
-        lambda: make_layer(preset, RankShard(), torch.device("cpu"), tensors,
-                            DEFAULT_MAX_TRANSIENT_BYTES, mode),
-        repeats, STEPS,
-    )  # fmt: skip
+        lambda: make_layer(
+            preset,
+            RankShard(),
+            torch.device("cpu"),
+            tensors,
+            DEFAULT_MAX_TRANSIENT_BYTES,
+            mode,
+        ),
+        repeats,
+        STEPS,
+    )
     return {s: _median(v) for s, v in times.items() if v}
 
 
@@ -427,8 +438,14 @@ def _check(preset, tensors) -> None:
     for _, fn in legacy_preparation_steps(owned, preset.is_gated):
         fn()
     for mode in MODES:
-        layer = make_layer(preset, RankShard(), torch.device("cpu"), tensors,
-                            DEFAULT_MAX_TRANSIENT_BYTES, mode)  # fmt: skip
+        layer = make_layer(
+            preset,
+            RankShard(),
+            torch.device("cpu"),
+            tensors,
+            DEFAULT_MAX_TRANSIENT_BYTES,
+            mode,
+        )
         layer.quant_method.process_weights_after_loading(layer)
         check_equal(layer, owned, tensors, 0, mode)
 
@@ -493,8 +510,12 @@ def measure_alternatives(tensors: dict, repeats: int) -> dict[str, float]:
     for name, a, b in (("swizzle", words, by_bytes), ("fold", table, by_float)):
         if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
             raise RuntimeError(f"the two {name} methods give different bytes")
-    return {"swizzle_words_s": words_t, "swizzle_bytes_s": bytes_t,
-            "fold_table_s": table_t, "fold_float_s": float_t}  # fmt: skip
+    return {
+        "swizzle_words_s": words_t,
+        "swizzle_bytes_s": bytes_t,
+        "fold_table_s": table_t,
+        "fold_float_s": float_t,
+    }
 
 
 W4A16_STEPS = ["validate", "halves", "exponents", "w13", "w2", "finalize"]
@@ -505,12 +526,15 @@ def _w4a16_layer(preset, tensors):
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
     layer = FusedMoE(
-        num_experts=preset.num_experts, top_k=preset.top_k,
-        hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
+        num_experts=preset.num_experts,
+        top_k=preset.top_k,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
         activation=preset.activation,
         quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-        moe_backend="flashinfer_b12x_emulated", place_w3w1_at_load=True,
-    )  # fmt: skip
+        moe_backend="flashinfer_b12x_emulated",
+        place_w3w1_at_load=True,
+    )
     with torch.no_grad():
         for name, value in tensors.items():
             getattr(layer, name).copy_(value)  # taken as [w3; w1]: rotated
@@ -536,8 +560,10 @@ def _check_w4a16(preset, tensors) -> None:
             want_s = w4a16_pack_blockscale(s[e0 : e0 + 16], x, rot)
             got_w = getattr(pw, prefix)[e0 : e0 + 16]
             got_s = getattr(pw, f"{prefix}_scale")[e0 : e0 + 16]
-            if not (torch.equal(got_w, want_w) and torch.equal(
-                    got_s.view(torch.uint8), want_s.view(torch.uint8))):  # fmt: skip
+            if not (
+                torch.equal(got_w, want_w)
+                and torch.equal(got_s.view(torch.uint8), want_s.view(torch.uint8))
+            ):
                 raise SystemExit(f"W4A16 {prefix} differs from the reference")
 
 
@@ -546,20 +572,23 @@ def _w4a16_bytes(tensors) -> dict[str, int]:
     scales they read); "total": what the preparation rewrites, w13 and w2."""
     nbytes = {s: 0 for s in [*W4A16_STEPS, "total"]}
     for prefix in ("w13", "w2"):
-        nbytes[prefix] = sum(tensors[f"{prefix}_{k}"].numel()
-                             for k in ("weight", "weight_scale"))  # fmt: skip
+        nbytes[prefix] = sum(
+            tensors[f"{prefix}_{k}"].numel() for k in ("weight", "weight_scale")
+        )
     scales = tensors["w13_weight_scale"].numel() + tensors["w2_weight_scale"].numel()
     nbytes["validate"] = nbytes["exponents"] = scales
     nbytes["total"] = nbytes["w13"] + nbytes["w2"]
     return nbytes
 
 
-def measure_w4a16(preset, tensors, repeats: int,
-                  floors: dict[int, float] | None = None) -> dict:  # fmt: skip
+def measure_w4a16(
+    preset, tensors, repeats: int, floors: dict[int, float] | None = None
+) -> dict:
     """Per W4A16 step: median time and the memcpy of the bytes it rewrites
     (``floors``: those memcpy times by byte count; measured here if None)."""
-    times = _time_steps(lambda: _w4a16_layer(preset, tensors), repeats,
-                        [*W4A16_STEPS, "total"])  # fmt: skip
+    times = _time_steps(
+        lambda: _w4a16_layer(preset, tensors), repeats, [*W4A16_STEPS, "total"]
+    )
     nbytes = _w4a16_bytes(tensors)
     if floors is None:
         floors = _time_memcpy(set(nbytes.values()), repeats)
@@ -568,7 +597,7 @@ def measure_w4a16(preset, tensors, repeats: int,
             "time_s": _median(v),
             "bytes": nbytes[step],
             "memcpy_s": floors[nbytes[step]],
-        }  # fmt: skip
+        }
         for step, v in times.items()
     }
 
@@ -589,8 +618,7 @@ def format_w4a16(result: dict, condition: str = "quiet", ops=None) -> str:
         + (f"{'ops@CUDA':>10}{'moved MiB':>11}" if ops else ""),
     ]
     for step, rec in result.items():
-        ratio = (f"{rec['time_s'] / rec['memcpy_s']:.1f}x" if rec["memcpy_s"]
-                 else "-")  # fmt: skip
+        ratio = f"{rec['time_s'] / rec['memcpy_s']:.1f}x" if rec["memcpy_s"] else "-"
         extra = ""
         if ops:
             o = ops[step]
@@ -661,54 +689,73 @@ def format_condition(label: str, result: dict, ops: dict | None = None) -> str:
 
 def main() -> int:
     parser = CommandLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="qwen3.6-35b-a3b",
-                        choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
+    parser.add_argument(
+        "--model", default="qwen3.6-35b-a3b", choices=sorted(MOE_MODEL_PRESETS)
+    )
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument(
-        "--busy-cores", type=core_count, default=1,
+        "--busy-cores",
+        type=core_count,
+        default=1,
         help="processes that keep a core busy copying memory during the second "
         "measurement (0: quiet only)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--busy-threads", type=positive_int, default=1,
+        "--busy-threads",
+        type=positive_int,
+        default=1,
         help="intra-op threads of each busy process (default 1; 2 on a 2-core "
         "machine makes a neighbour that runs parallel operations itself)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--threads", type=positive_int, default=None,
+        "--threads",
+        type=positive_int,
+        default=None,
         help="torch intra-op threads for the whole run (default: torch's)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--prep-threads", type=non_negative_int, default=None,
+        "--prep-threads",
+        type=non_negative_int,
+        default=None,
         help="threads of the bounded steps on CPU, i.e. VLLM_MOE_PREP_CPU_THREADS "
         "(default: its value, 1 when unset; 0: the run's torch setting)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--w4a16", choices=["also", "only", "no"], default="also",
+        "--w4a16",
+        choices=["also", "only", "no"],
+        default="also",
         help="time the W4A16 preparation's steps too (only: nothing else)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--device-ops", choices=["also", "only", "no"], default="also",
+        "--device-ops",
+        choices=["also", "only", "no"],
+        default="also",
         help="count each step's device operations and bytes and print the GPU "
         "estimate first (only: nothing else; counting at the CPU tile runs "
         "the W4A16 steps once more, seconds)",
-    )  # fmt: skip
+    )
     # The GPU estimate's assumptions, for a 16 GB SM120 card.
     parser.add_argument(
-        "--gpu-op-us", type=float, default=GPU_ASSUMPTIONS["op_us"],
+        "--gpu-op-us",
+        type=float,
+        default=GPU_ASSUMPTIONS["op_us"],
         help="host time per torch op on the GPU machine: eager dispatch and "
         "the launch (default %(default)s us)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--gpu-sync-us", type=float, default=GPU_ASSUMPTIONS["sync_us"],
+        "--gpu-sync-us",
+        type=float,
+        default=GPU_ASSUMPTIONS["sync_us"],
         help="extra wait per host sync, the queue draining (default %(default)s us)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--gpu-bandwidth-gbs", type=float, default=GPU_ASSUMPTIONS["bandwidth_gbs"],
+        "--gpu-bandwidth-gbs",
+        type=float,
+        default=GPU_ASSUMPTIONS["bandwidth_gbs"],
         help="effective memory bandwidth (default %(default)s GB/s: about 70%% of "
         "the RTX 5060 Ti 16 GB's 448 GB/s, the slowest 16 GB SM120 card)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if args.threads is not None:
@@ -717,8 +764,11 @@ def main() -> int:
         os.environ["VLLM_MOE_PREP_CPU_THREADS"] = str(args.prep_threads)
     preset = get_preset(args.model)
     tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), args.seed)
-    gpu = {"op_us": args.gpu_op_us, "sync_us": args.gpu_sync_us,
-           "bandwidth_gbs": args.gpu_bandwidth_gbs}  # fmt: skip
+    gpu = {
+        "op_us": args.gpu_op_us,
+        "sync_us": args.gpu_sync_us,
+        "bandwidth_gbs": args.gpu_bandwidth_gbs,
+    }
     device_ops = None
     if args.device_ops != "no":
         layouts = {"only": ("w4a16",), "no": LAYOUTS[:2]}.get(args.w4a16, LAYOUTS)
@@ -727,21 +777,24 @@ def main() -> int:
         if args.device_ops == "only":
             if args.json:
                 with open(args.json, "w") as f:
-                    json.dump({"device_ops": device_ops, "gpu_assumptions": gpu},
-                              f, indent=1)  # fmt: skip
+                    json.dump(
+                        {"device_ops": device_ops, "gpu_assumptions": gpu}, f, indent=1
+                    )
             return 0
     w4a16 = None
     if args.w4a16 != "no":
         _check_w4a16(preset, tensors)
         w4a16 = {}
         # the floors once, quiet, as for the W4A4 steps below
-        w4a16_floors = _time_memcpy(set(_w4a16_bytes(tensors).values()),
-                                    args.repeats)  # fmt: skip
+        w4a16_floors = _time_memcpy(set(_w4a16_bytes(tensors).values()), args.repeats)
         for busy in sorted({0, args.busy_cores}):
-            with busy_cores(busy, args.busy_threads), moe_prep_threads(
-                    torch.device("cpu")):  # fmt: skip
-                w4a16[str(busy)] = measure_w4a16(preset, tensors, args.repeats,
-                                                 w4a16_floors)  # fmt: skip
+            with (
+                busy_cores(busy, args.busy_threads),
+                moe_prep_threads(torch.device("cpu")),
+            ):
+                w4a16[str(busy)] = measure_w4a16(
+                    preset, tensors, args.repeats, w4a16_floors
+                )
             condition = _condition(busy, args.busy_threads)
             ops = device_ops and device_ops["w4a16"]
             print(format_w4a16(w4a16[str(busy)], condition, ops))
@@ -752,9 +805,16 @@ def main() -> int:
     if args.w4a16 == "only":
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"busy_cores": args.busy_cores, "w4a16": w4a16,
-                           "device_ops": device_ops, "gpu_assumptions": gpu}, f,
-                          indent=1)  # fmt: skip
+                json.dump(
+                    {
+                        "busy_cores": args.busy_cores,
+                        "w4a16": w4a16,
+                        "device_ops": device_ops,
+                        "gpu_assumptions": gpu,
+                    },
+                    f,
+                    indent=1,
+                )
         return 0
     _check(preset, tensors)
     prep_threads = os.environ.get("VLLM_MOE_PREP_CPU_THREADS", "1 (default)")
@@ -767,8 +827,9 @@ def main() -> int:
     print(header)
     # The floors are measured once, quiet: the bandwidth the machine offers.
     nbytes = _step_bytes(tensors, preset.is_gated)
-    floors = _time_memcpy({b for per in nbytes.values() for b in per.values()},
-                          args.repeats)  # fmt: skip
+    floors = _time_memcpy(
+        {b for per in nbytes.values() for b in per.values()}, args.repeats
+    )
     conditions = {}
     for busy in sorted({0, args.busy_cores}):
         with busy_cores(busy, args.busy_threads):
@@ -793,11 +854,19 @@ def main() -> int:
             print(f"{variant:>6}: busy / quiet = {busy / quiet:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header, "busy_cores": args.busy_cores,
-                       "conditions": {str(k): v for k, v in conditions.items()},
-                       "alternatives": alternatives, "w4a16": w4a16,
-                       "device_ops": device_ops, "gpu_assumptions": gpu}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "header": header,
+                    "busy_cores": args.busy_cores,
+                    "conditions": {str(k): v for k, v in conditions.items()},
+                    "alternatives": alternatives,
+                    "w4a16": w4a16,
+                    "device_ops": device_ops,
+                    "gpu_assumptions": gpu,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

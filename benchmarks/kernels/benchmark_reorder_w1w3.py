@@ -117,8 +117,9 @@ def bench_model(name: str, device: torch.device, repeats: int, caps: list[int]):
         "xor-swap": lambda: xor_swap_reorder(weight, scale),  # same threads:
     }
     for cap in caps:
-        label = "inplace" + ("" if cap == DEFAULT_MAX_TRANSIENT_BYTES else
-                             f"-cap{cap // 1024}KiB")  # fmt: skip
+        label = "inplace" + (
+            "" if cap == DEFAULT_MAX_TRANSIENT_BYTES else f"-cap{cap // 1024}KiB"
+        )
         variants[label] = lambda cap=cap: reorder_w1w3_to_w3w1(
             weight, scale, max_transient_bytes=cap
         )
@@ -154,8 +155,9 @@ def tile_sweep(name: str, device: torch.device, repeats: int, tiles_kib: list[in
     preset = MOE_MODEL_PRESETS[name]
     weight, scale = synthetic_w13(preset, 1, device, seed=0)
     dst_w, dst_s = torch.empty_like(weight), torch.empty_like(scale)
-    memcpy = _median_time(lambda: (dst_w.copy_(weight), dst_s.copy_(scale)), device,
-                          repeats)  # fmt: skip
+    memcpy = _median_time(
+        lambda: (dst_w.copy_(weight), dst_s.copy_(scale)), device, repeats
+    )
     saved = dict(bounded_chunks._TILE_BYTES)
     rows = []
     try:
@@ -170,8 +172,10 @@ def tile_sweep(name: str, device: torch.device, repeats: int, tiles_kib: list[in
         bounded_chunks._TILE_BYTES.update(saved)
     print(f"\ntile sweep, {name} on {device} (memcpy {memcpy * 1e3:.2f} ms)")
     for r in rows:
-        print(f"  tile {r['tile_kib']:>6} KiB  {r['time_s'] * 1e3:8.2f} ms  "
-              f"{r['ratio_to_memcpy']:.2f}x memcpy")  # fmt: skip
+        print(
+            f"  tile {r['tile_kib']:>6} KiB  {r['time_s'] * 1e3:8.2f} ms  "
+            f"{r['ratio_to_memcpy']:.2f}x memcpy"
+        )
     return {"model": name, "device": str(device), "memcpy_s": memcpy, "rows": rows}
 
 
@@ -197,23 +201,34 @@ def main():
     parser = CommandLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=gated, choices=gated)
     parser.add_argument(
-        "--devices", nargs="+", default=None, choices=["cpu", "cuda"],
+        "--devices",
+        nargs="+",
+        default=None,
+        choices=["cpu", "cuda"],
         help="default: cpu, and cuda if present",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=positive_int, default=7)
     parser.add_argument(
-        "--caps-kib", nargs="+", type=positive_int, default=[1024, 4096, 16384],
+        "--caps-kib",
+        nargs="+",
+        type=positive_int,
+        default=[1024, 4096, 16384],
         help="extra max_transient_bytes values, in KiB, beside the 64 MiB default",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--tile-sweep-kib", nargs="*", type=positive_int, default=None,
+        "--tile-sweep-kib",
+        nargs="*",
+        type=positive_int,
+        default=None,
         help="also time the in-place swap with these bounce-buffer sizes (KiB), "
         "overriding the per-device tile: how the default tile was chosen",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--busy-cores", type=core_count, default=0,
+        "--busy-cores",
+        type=core_count,
+        default=0,
         help="processes keeping a core busy copying memory during the run",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     if "cuda" in (args.devices or []) and not torch.cuda.is_available():
@@ -222,8 +237,10 @@ def main():
         ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     )
     caps = [DEFAULT_MAX_TRANSIENT_BYTES] + [k * 1024 for k in args.caps_kib]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
-          f"{args.busy_cores} busy core(s)")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, "
+        f"{args.busy_cores} busy core(s)"
+    )
     results = []
     sweeps = []
     with busy_cores(args.busy_cores):
@@ -234,12 +251,18 @@ def main():
                 results.append(result)
         for dev in devices if args.tile_sweep_kib else []:
             for name in args.models:
-                sweeps.append(tile_sweep(name, torch.device(dev), args.repeats,
-                                         args.tile_sweep_kib))  # fmt: skip
+                sweeps.append(
+                    tile_sweep(
+                        name, torch.device(dev), args.repeats, args.tile_sweep_kib
+                    )
+                )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "results": results,
-                       "tile_sweeps": sweeps}, f, indent=2)  # fmt: skip
+            json.dump(
+                {"torch": torch.__version__, "results": results, "tile_sweeps": sweeps},
+                f,
+                indent=2,
+            )
         print(f"\nwrote {args.json}")
 
 

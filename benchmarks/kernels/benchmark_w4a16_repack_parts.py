@@ -68,21 +68,26 @@ def _compiled_chunk():
     def chunk(src):
         g, nt, _, kt = src.shape
         v = src.view(g, nt, 2, 2, 2, 8, kt)  # [g, nt, wh, wl, c, col, kt]
-        p = {(wl, c, wh): v[:, :, wh, wl, c] for wl in range(2) for c in range(2)
-             for wh in range(2)}  # fmt: skip
+        p = {
+            (wl, c, wh): v[:, :, wh, wl, c]
+            for wl in range(2)
+            for c in range(2)
+            for wh in range(2)
+        }
         p = {key: inner(x, 28, masks[0]) for key, x in p.items()}
         for wl in range(2):
             for wh in range(2):
-                p[wl, 0, wh], p[wl, 1, wh] = swap(p[wl, 0, wh], p[wl, 1, wh], 8,
-                                                  masks[1])  # fmt: skip
+                p[wl, 0, wh], p[wl, 1, wh] = swap(
+                    p[wl, 0, wh], p[wl, 1, wh], 8, masks[1]
+                )
         p = {key: inner(x, 16, masks[2]) for key, x in p.items()}
         for c in range(2):
             for wh in range(2):
-                p[0, c, wh], p[1, c, wh] = swap(p[0, c, wh], p[1, c, wh], 32,
-                                                masks[3])  # fmt: skip
+                p[0, c, wh], p[1, c, wh] = swap(p[0, c, wh], p[1, c, wh], 32, masks[3])
         # slot tr*2 + wh holds plane (wl, c, wh) with tr = wl*2 + c
-        out = torch.stack([p[tr // 2, tr % 2, wh] for tr in range(4)
-                           for wh in range(2)], dim=-1)  # fmt: skip
+        out = torch.stack(
+            [p[tr // 2, tr % 2, wh] for tr in range(4) for wh in range(2)], dim=-1
+        )
         return out.permute(0, 3, 1, 2, 4).contiguous()
 
     return chunk
@@ -93,8 +98,9 @@ def measure(preset, repeats: int, compiled) -> dict[str, float]:
     nt, kt = n // 64, k // 16
     gen = torch.Generator().manual_seed(0)
     weight = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=gen)
-    scale = torch.randint(0, 0x7E, (e, n, k // 16), dtype=torch.uint8,
-                          generator=gen).view(torch.float8_e4m3fn)  # fmt: skip
+    scale = torch.randint(
+        0, 0x7E, (e, n, k // 16), dtype=torch.uint8, generator=gen
+    ).view(torch.float8_e4m3fn)
     copy = torch.empty_like(weight)
     rows = weight.view(torch.int64).view(e * n, kt)
     strips = weight.view(torch.int64).view(e, nt, 64, kt)
@@ -107,7 +113,7 @@ def measure(preset, repeats: int, compiled) -> dict[str, float]:
         "fill": _median_ms(lambda: dst.copy_(w4._as_planes(strips[0])), repeats),
         "bit steps": _median_ms(
             lambda: w4._shuffle_planes(planes, work.scratch), repeats
-        ),  # fmt: skip
+        ),
         "write-back": _median_ms(
             lambda: (
                 copy.view(torch.int64)
@@ -115,17 +121,23 @@ def measure(preset, repeats: int, compiled) -> dict[str, float]:
                 .copy_(w4._expert_view(planes, 1, nt, kt)[0])
             ),
             repeats,
-        ),  # fmt: skip
+        ),
     }
     fresh = weight.clone()
-    r["whole"] = _median_ms(lambda: w4.repack_w4a16_weight_(weight.copy_(fresh)),
-                            max(1, repeats // 4)) / e  # fmt: skip
+    r["whole"] = (
+        _median_ms(
+            lambda: w4.repack_w4a16_weight_(weight.copy_(fresh)), max(1, repeats // 4)
+        )
+        / e
+    )
     r["whole"] -= r["memcpy (layer rate)"]  # less the reset of the input
     fresh_s = scale.clone()
     few = max(1, repeats // 4)
     reset = _median_ms(lambda: scale.copy_(fresh_s), few) / e
-    r["scales"] = _median_ms(lambda: w4.pack_w4a16_blockscale_(scale.copy_(fresh_s), 0),
-                             few) / e - reset  # fmt: skip
+    r["scales"] = (
+        _median_ms(lambda: w4.pack_w4a16_blockscale_(scale.copy_(fresh_s), 0), few) / e
+        - reset
+    )
     if compiled is not None:
         blocks = copy.view(torch.int64).view(e, kt, nt, 8, 8)
         r["torch.compile chunk"] = _median_ms(
@@ -136,8 +148,9 @@ def measure(preset, repeats: int, compiled) -> dict[str, float]:
 
 def main() -> int:
     parser = CommandLineParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3.6-35b-a3b",
-                        choices=sorted(MOE_MODEL_PRESETS))  # fmt: skip
+    parser.add_argument(
+        "--model", default="qwen3.6-35b-a3b", choices=sorted(MOE_MODEL_PRESETS)
+    )
     parser.add_argument("--repeats", type=positive_int, default=20)
     parser.add_argument("--busy-cores", type=core_count, default=1)
     parser.add_argument("--torch-compile", action="store_true")
@@ -155,8 +168,10 @@ def main() -> int:
         start = time.perf_counter()
         compiled = torch.compile(_compiled_chunk(), dynamic=False, fullgraph=True)
         got = compiled(w.view(torch.int64).view(2, n // 64, 64, k // 16))
-        print(f"torch.compile: first call (compilation) "
-              f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+        print(
+            f"torch.compile: first call (compilation) "
+            f"{time.perf_counter() - start:.1f} s"
+        )
         if not torch.equal(got.reshape(-1), want.view(torch.int64).reshape(-1)):
             raise SystemExit("the compiled chunk differs from the reference")
     print(

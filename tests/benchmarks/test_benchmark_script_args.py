@@ -36,36 +36,72 @@ ENTRY_POINTS = {
 }
 TOO_MANY = str(available_cores() + 1)
 BAD = {
-    "steps busy cores -1": (STEPS, ["--busy-cores", "-1"],
-                            "--busy-cores: must be at least 0, got -1"),
-    "steps busy cores too many": (STEPS, ["--busy-cores", TOO_MANY],
-                                  f"--busy-cores: must be at most {TOO_MANY[:-1]}"),
-    "steps busy threads 0": (STEPS, ["--busy-threads", "0"],
-                             "--busy-threads: must be at least 1, got 0"),
-    "steps busy threads -2": (STEPS, ["--busy-threads", "-2"],
-                              "--busy-threads: must be at least 1"),
-    "steps prep threads -1": (STEPS, ["--prep-threads", "-1"],
-                              "--prep-threads: must be at least 0, got -1"),
+    "steps busy cores -1": (
+        STEPS,
+        ["--busy-cores", "-1"],
+        "--busy-cores: must be at least 0, got -1",
+    ),
+    "steps busy cores too many": (
+        STEPS,
+        ["--busy-cores", TOO_MANY],
+        f"--busy-cores: must be at most {TOO_MANY[:-1]}",
+    ),
+    "steps busy threads 0": (
+        STEPS,
+        ["--busy-threads", "0"],
+        "--busy-threads: must be at least 1, got 0",
+    ),
+    "steps busy threads -2": (
+        STEPS,
+        ["--busy-threads", "-2"],
+        "--busy-threads: must be at least 1",
+    ),
+    "steps prep threads -1": (
+        STEPS,
+        ["--prep-threads", "-1"],
+        "--prep-threads: must be at least 0, got -1",
+    ),
     "steps threads 0": (STEPS, ["--threads", "0"], "--threads: must be at least 1"),
     "steps repeats 0": (STEPS, ["--repeats", "0"], "--repeats: must be at least 1"),
-    "steps repeats x": (STEPS, ["--repeats", "x"],
-                        "--repeats: expected an integer, got 'x'"),
-    "reorder tile sweep 0": (REORDER, ["--tile-sweep-kib", "0"],
-                             "--tile-sweep-kib: must be at least 1, got 0"),
-    "reorder tile sweep -4": (REORDER, ["--tile-sweep-kib", "1024", "-4"],
-                              "--tile-sweep-kib: must be at least 1, got -4"),
+    "steps repeats x": (
+        STEPS,
+        ["--repeats", "x"],
+        "--repeats: expected an integer, got 'x'",
+    ),
+    "reorder tile sweep 0": (
+        REORDER,
+        ["--tile-sweep-kib", "0"],
+        "--tile-sweep-kib: must be at least 1, got 0",
+    ),
+    "reorder tile sweep -4": (
+        REORDER,
+        ["--tile-sweep-kib", "1024", "-4"],
+        "--tile-sweep-kib: must be at least 1, got -4",
+    ),
     "reorder caps 0": (REORDER, ["--caps-kib", "0"], "--caps-kib: must be at least 1"),
-    "reorder busy cores -1": (REORDER, ["--busy-cores", "-1"],
-                              "--busy-cores: must be at least 0, got -1"),
-    "reorder busy cores too many": (REORDER, ["--busy-cores", TOO_MANY],
-                                    "--busy-cores: must be at most"),
+    "reorder busy cores -1": (
+        REORDER,
+        ["--busy-cores", "-1"],
+        "--busy-cores: must be at least 0, got -1",
+    ),
+    "reorder busy cores too many": (
+        REORDER,
+        ["--busy-cores", TOO_MANY],
+        "--busy-cores: must be at most",
+    ),
     "reorder repeats 0": (REORDER, ["--repeats", "0"], "--repeats: must be at least 1"),
-    "parts busy cores -1": (PARTS, ["--busy-cores", "-1"],
-                            "--busy-cores: must be at least 0, got -1"),
-    "parts busy cores too many": (PARTS, ["--busy-cores", TOO_MANY],
-                                  "--busy-cores: must be at most"),
+    "parts busy cores -1": (
+        PARTS,
+        ["--busy-cores", "-1"],
+        "--busy-cores: must be at least 0, got -1",
+    ),
+    "parts busy cores too many": (
+        PARTS,
+        ["--busy-cores", TOO_MANY],
+        "--busy-cores: must be at most",
+    ),
     "parts repeats 0": (PARTS, ["--repeats", "0"], "--repeats: must be at least 1"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

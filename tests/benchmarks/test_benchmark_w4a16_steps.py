@@ -15,8 +15,12 @@ import torch
 
 from vllm.benchmarks.moe_weight_prep.presets import get_preset
 
-SCRIPT = (Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
-          / "benchmark_moe_weight_prep_steps.py")  # fmt: skip
+SCRIPT = (
+    Path(__file__).resolve().parents[2]
+    / "benchmarks"
+    / "kernels"
+    / "benchmark_moe_weight_prep_steps.py"
+)
 
 
 @pytest.fixture
@@ -25,24 +29,36 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     small = dataclasses.replace(
-        get_preset("qwen3.6-35b-a3b"), num_experts=4, hidden_size=256,
+        get_preset("qwen3.6-35b-a3b"),
+        num_experts=4,
+        hidden_size=256,
         intermediate_size=128,
-    )  # fmt: skip
+    )
     module.get_preset = lambda name: small
     return module
 
 
 def _run(bench, monkeypatch, capsys, *args):
-    monkeypatch.setattr(sys, "argv", ["steps", "--model", "qwen3.6-35b-a3b",
-                                      "--repeats", "1", *args])  # fmt: skip
+    monkeypatch.setattr(
+        sys, "argv", ["steps", "--model", "qwen3.6-35b-a3b", "--repeats", "1", *args]
+    )
     assert bench.main() == 0
     return capsys.readouterr().out
 
 
 def test_w4a16_quiet_and_busy_against_one_floor(bench, monkeypatch, capsys, tmp_path):
     out_json = tmp_path / "w4a16.json"
-    out = _run(bench, monkeypatch, capsys, "--w4a16", "only", "--busy-cores", "1",
-               "--json", str(out_json))  # fmt: skip
+    out = _run(
+        bench,
+        monkeypatch,
+        capsys,
+        "--w4a16",
+        "only",
+        "--busy-cores",
+        "1",
+        "--json",
+        str(out_json),
+    )
     assert "one thread, quiet;" in out
     assert "one thread, 1 busy process(es) on 1 thread(s) each;" in out
     assert "W4A16: busy / quiet = " in out
@@ -103,8 +119,10 @@ def test_busy_processes_run_during_the_busy_measurement_on_one_thread(
     def measure(preset, tensors, repeats, floors=None):
         assert active["prep_threads"], "W4A16 timed outside moe_prep_threads"
         seconds = {0: 0.5, 1: 0.75}[active["busy"]]
-        return {s: {"time_s": seconds, "bytes": 1, "memcpy_s": 0.1}
-                for s in [*bench.W4A16_STEPS, "total"]}  # fmt: skip
+        return {
+            s: {"time_s": seconds, "bytes": 1, "memcpy_s": 0.1}
+            for s in [*bench.W4A16_STEPS, "total"]
+        }
 
     monkeypatch.setattr(bench, "busy_cores", busy_cores)
     monkeypatch.setattr(bench, "moe_prep_threads", moe_prep_threads)
@@ -124,14 +142,24 @@ def _parts():
 
 def test_repack_parts_are_each_measured_on_a_small_expert():
     parts = _parts()
-    small = dataclasses.replace(get_preset("qwen3.6-35b-a3b"), num_experts=4,
-                                hidden_size=256, intermediate_size=128)  # fmt: skip
+    small = dataclasses.replace(
+        get_preset("qwen3.6-35b-a3b"),
+        num_experts=4,
+        hidden_size=256,
+        intermediate_size=128,
+    )
     r = parts.measure(small, 2, None)
-    assert list(r) == ["memcpy (cached)", "memcpy (layer rate)", "fill",
-                       "bit steps", "write-back", "whole", "scales"]  # fmt: skip
+    assert list(r) == [
+        "memcpy (cached)",
+        "memcpy (layer rate)",
+        "fill",
+        "bit steps",
+        "write-back",
+        "whole",
+        "scales",
+    ]
     assert all(ms == ms for ms in r.values())  # no NaN
-    assert all(r[k] > 0 for k in ("memcpy (cached)", "fill", "bit steps",
-                                  "write-back"))  # fmt: skip
+    assert all(r[k] > 0 for k in ("memcpy (cached)", "fill", "bit steps", "write-back"))
 
 
 def test_the_chunk_given_to_torch_compile_is_the_layout():

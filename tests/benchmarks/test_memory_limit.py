@@ -29,8 +29,9 @@ def test_limit_is_applied_from_reserved_and_reset(monkeypatch):
     # Allocated 8 MiB, reserved 10 MiB (cached free blocks, segment rounding).
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: 8 * MIB)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: 10 * MIB)
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda f, d=None: calls.append(f))  # fmt: skip
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: calls.append(f)
+    )
     cuda = torch.device("cuda", 0)
     with limit_cuda_memory(cuda, 5 * MIB):
         assert calls == ["empty", 0.15]  # (10 + 5) / 100, not (8 + 5) / 100

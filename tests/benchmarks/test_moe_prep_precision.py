@@ -29,12 +29,16 @@ def _prepared(preset, mode):
 
     tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), seed=0)
     layer = FusedMoE(
-        num_experts=preset.num_experts, top_k=preset.top_k,
-        hidden_size=preset.hidden_size, intermediate_size=preset.intermediate_size,
-        activation=preset.activation, quant_config=ModelOptNvFp4Config.for_mode(),
-        moe_backend="flashinfer_b12x_emulated", place_w3w1_at_load=False,
+        num_experts=preset.num_experts,
+        top_k=preset.top_k,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        activation=preset.activation,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend="flashinfer_b12x_emulated",
+        place_w3w1_at_load=False,
         experts_kwargs={"global_scale_mode": mode},
-    )  # fmt: skip
+    )
     with torch.no_grad():
         for name, value in tensors.items():
             getattr(layer, name).copy_(value)
@@ -56,9 +60,12 @@ def _values(preset, sample) -> int:
 def test_the_sample_is_first_middle_last_of_experts_and_tiles():
     rows, cols = {"w13": 640, "w2": 256}, {"w13": 3136, "w2": 320}
     s = precision_sample("sample", 5, rows, cols)
-    assert s == {"how": "sample", "experts": [0, 2, 4],
-                 "tiles": {"w13": [0, 2, 4], "w2": [0, 1]},
-                 "spans": {"w13": [0, 2, 3], "w2": [0]}}  # fmt: skip
+    assert s == {
+        "how": "sample",
+        "experts": [0, 2, 4],
+        "tiles": {"w13": [0, 2, 4], "w2": [0, 1]},
+        "spans": {"w13": [0, 2, 3], "w2": [0]},
+    }
     full = precision_sample("full", 5, {"w13": 640, "w2": 200}, cols)
     assert full["experts"] == [0, 1, 2, 3, 4]
     assert full["tiles"] == {"w13": [0, 1, 2, 3, 4], "w2": [0, 1]}

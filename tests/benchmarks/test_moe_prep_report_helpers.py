@@ -21,9 +21,14 @@ def test_blockscale_range_counts_on_hand_made_bytes():
 
 @pytest.mark.parametrize(
     "baseline, new, text",
-    [(2.9, 1.0, "2.9x faster"), (1.0, 2.1, "2.1x slower"), (1.0, 1.03, "as fast"),
-     (1.0, None, ""), (0.0, 1.0, "")],
-)  # fmt: skip
+    [
+        (2.9, 1.0, "2.9x faster"),
+        (1.0, 2.1, "2.1x slower"),
+        (1.0, 1.03, "as fast"),
+        (1.0, None, ""),
+        (0.0, 1.0, ""),
+    ],
+)
 def test_speed_ratios_are_said_as_faster_or_slower(baseline, new, text):
     assert format_speedup(baseline, new) == text
 
@@ -36,28 +41,46 @@ def test_plot_has_a_legend_units_and_one_colour_per_step():
     def rec(step, seconds, levels, growth=0):
         timeline = [(i, lvl) for i, lvl in enumerate(levels)]
         peak = max(levels, default=0)
-        return {"step": step, "time_s": seconds, "timeline": timeline,
-                "growth_bytes": growth, "peak_bytes": peak}  # fmt: skip
+        return {
+            "step": step,
+            "time_s": seconds,
+            "timeline": timeline,
+            "growth_bytes": growth,
+            "peak_bytes": peak,
+        }
 
     mib = 1 << 20
     result = {
-        "model": "m", "device": "cpu", "max_transient_bytes": 64 * mib,
+        "model": "m",
+        "device": "cpu",
+        "max_transient_bytes": 64 * mib,
         "first_layer_timelines": {
-            "legacy": [rec("reorder", 0.09, [288 * mib, 0]),
-                       rec("swizzle", 0.08, [64 * mib, 0]),
-                       rec("fold", 0.27, [288 * mib, 0])],
-            "bounded": [rec("validate", 0.003, []), rec("fold", 0.0, []),
-                        rec("reorder", 0.02, [2 * mib, 0]),
-                        rec("swizzle", 0.01, [2 * mib, 0]),
-                        rec("finalize", 0.0, [])],
+            "legacy": [
+                rec("reorder", 0.09, [288 * mib, 0]),
+                rec("swizzle", 0.08, [64 * mib, 0]),
+                rec("fold", 0.27, [288 * mib, 0]),
+            ],
+            "bounded": [
+                rec("validate", 0.003, []),
+                rec("fold", 0.0, []),
+                rec("reorder", 0.02, [2 * mib, 0]),
+                rec("swizzle", 0.01, [2 * mib, 0]),
+                rec("finalize", 0.0, []),
+            ],
         },
-    }  # fmt: skip
+    }
     fig = plot_figure(result)
     legend = fig.legends[0]
     labels = [t.get_text() for t in legend.get_texts()]
     # Every step once, in the table's order, and the cap.
-    assert labels == ["validate", "fold", "reorder", "swizzle", "finalize",
-                      "bounded cap"]  # fmt: skip
+    assert labels == [
+        "validate",
+        "fold",
+        "reorder",
+        "swizzle",
+        "finalize",
+        "bounded cap",
+    ]
     for ax in fig.axes:
         assert ax.get_xlabel() == "time (ms)"
         assert "MiB" in fig.axes[0].get_ylabel()
@@ -73,22 +96,32 @@ def _result(**extra):
     mib = 1 << 20
 
     def rec(step, seconds, levels, growth=0):
-        return {"step": step, "time_s": seconds, "growth_bytes": growth,
-                "timeline": list(enumerate(levels)),
-                "peak_bytes": max(levels, default=0)}  # fmt: skip
+        return {
+            "step": step,
+            "time_s": seconds,
+            "growth_bytes": growth,
+            "timeline": list(enumerate(levels)),
+            "peak_bytes": max(levels, default=0),
+        }
 
     return {
-        "model": "m", "device": "cpu", "max_transient_bytes": 64 * mib,
+        "model": "m",
+        "device": "cpu",
+        "max_transient_bytes": 64 * mib,
         "first_layer_timelines": {
-            "legacy": [rec("reorder", 0.09, [288 * mib, 0]),
-                       rec("swizzle", 0.08, [64 * mib, 0]),
-                       rec("fold", 0.27, [288 * mib, 0])],
-            "bounded": [rec("validate", 0.003, []),
-                        rec("reorder", 0.02, [2 * mib, 0]),
-                        rec("swizzle", 0.01, [2 * mib, 0])],
+            "legacy": [
+                rec("reorder", 0.09, [288 * mib, 0]),
+                rec("swizzle", 0.08, [64 * mib, 0]),
+                rec("fold", 0.27, [288 * mib, 0]),
+            ],
+            "bounded": [
+                rec("validate", 0.003, []),
+                rec("reorder", 0.02, [2 * mib, 0]),
+                rec("swizzle", 0.01, [2 * mib, 0]),
+            ],
         },
         **extra,
-    }  # fmt: skip
+    }
 
 
 def test_plot_panels_have_their_own_scale_and_draw_the_memory_limit():

@@ -57,8 +57,9 @@ def _args(tensors):
 def test_public_copy_reference_is_flashinfers_bytes(shape, reuse):
     e, h, i, act = shape
     tensors = synthetic_layer_tensors(_preset(*shape), 1, torch.device("cpu"), 0)
-    want = flashinfer_w4a16_prepare(**_args(tensors), gated=act == "silu",
-                                    reuse_input_storage=reuse)  # fmt: skip
+    want = flashinfer_w4a16_prepare(
+        **_args(tensors), gated=act == "silu", reuse_input_storage=reuse
+    )
     got = public_copy_reference(**_args(tensors), gated=act == "silu")
     for name in PACKED_FIELDS:
         assert got[name].shape == want[name].shape, name
@@ -66,8 +67,9 @@ def test_public_copy_reference_is_flashinfers_bytes(shape, reuse):
     # Negative control: FlashInfer told the halves are [up; gate] (it
     # rotates them) gives other bytes: the order is checked.
     if act == "silu":
-        rotated = flashinfer_w4a16_prepare(**_args(tensors), gated=True,
-                                           w13_layout="up_gate")  # fmt: skip
+        rotated = flashinfer_w4a16_prepare(
+            **_args(tensors), gated=True, w13_layout="up_gate"
+        )
         assert not torch.equal(bytes_of(rotated["w13"]), bytes_of(got["w13"]))
 
 
@@ -114,9 +116,11 @@ def test_precision_is_exact_and_sees_a_wrong_scale():
 def test_run_compares_every_variant_and_adds_up_the_model(shape):
     e, h, i, act = shape
     result = run_w4a16_benchmark(
-        _preset(*shape, layers=3), device=torch.device("cpu"), progress=False,
+        _preset(*shape, layers=3),
+        device=torch.device("cpu"),
+        progress=False,
         flashinfer=False,
-    )  # fmt: skip
+    )
     s = result["summary"]
     assert set(s) == {"flashinfer-public-model", "bounded"}
     assert result["flashinfer_skipped"]  # not requested (or not importable)
@@ -148,9 +152,25 @@ def _write(path, quant, layers=2, fmt="modelopt"):
         main as write_example,
     )
 
-    write_example([str(path), "--format", fmt, "--quant", quant, "--num-layers",
-                   str(layers), "--num-experts", "4", "--top-k", "2",
-                   "--hidden-size", "256", "--intermediate-size", "128"])  # fmt: skip
+    write_example(
+        [
+            str(path),
+            "--format",
+            fmt,
+            "--quant",
+            quant,
+            "--num-layers",
+            str(layers),
+            "--num-experts",
+            "4",
+            "--top-k",
+            "2",
+            "--hidden-size",
+            "256",
+            "--intermediate-size",
+            "128",
+        ]
+    )
     return path
 
 
@@ -158,8 +178,19 @@ def _write(path, quant, layers=2, fmt="modelopt"):
 def test_w4a16_checkpoint_auto(tmp_path, capsys, fmt):
     ckpt = _write(tmp_path / "ckpt", "w4a16", fmt=fmt)
     out_json = tmp_path / "r.json"
-    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
-          "--json", str(out_json), "--memory-limit", "1MiB"])  # fmt: skip
+    main(
+        [
+            "bench",
+            "moe-weight-prep",
+            "--checkpoint",
+            str(ckpt),
+            "--no-progress",
+            "--json",
+            str(out_json),
+            "--memory-limit",
+            "1MiB",
+        ]
+    )
     text = capsys.readouterr().out
     assert "W4A16 (weight-only NVFP4) preparation for b12x" in text
     assert f"({fmt}), checkpoint weights" in text
@@ -186,21 +217,37 @@ def test_mixed_checkpoint_takes_the_mode_asked_for(tmp_path, capsys):
     assert "mixes w4a4 and w4a16 MoE layers (w4a16: [0, 2])" in err
     out_json = tmp_path / "r.json"
     for quant, layers in (("w4a16", 2), ("w4a4", 1)):
-        main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--quant",
-              quant, "--no-progress", "--json", str(out_json)])  # fmt: skip
+        main(
+            [
+                "bench",
+                "moe-weight-prep",
+                "--checkpoint",
+                str(ckpt),
+                "--quant",
+                quant,
+                "--no-progress",
+                "--json",
+                str(out_json),
+            ]
+        )
         job = json.loads(out_json.read_text())
         assert job["ranks"][0]["num_layers"] == layers
 
 
 W4A16_ERRORS = {
-    "no w4a16 layers": (["--quant", "w4a16"], "w4a4",
-                        "no w4a16 MoE layers (its MoE layers are w4a4): pass "
-                        "--quant w4a4"),
+    "no w4a16 layers": (
+        ["--quant", "w4a16"],
+        "w4a4",
+        "no w4a16 MoE layers (its MoE layers are w4a4): pass --quant w4a4",
+    ),
     "tp": (["--tp", "2"], "w4a16", "--tp is not supported with --quant w4a16"),
-    "fold": (["--global-scale-mode", "fold"], "w4a16",
-             "--global-scale-mode fold is not supported with --quant w4a16"),
+    "fold": (
+        ["--global-scale-mode", "fold"],
+        "w4a16",
+        "--global-scale-mode fold is not supported with --quant w4a16",
+    ),
     "bad choice": (["--quant", "w8a8"], "w4a16", "invalid choice: 'w8a8'"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(W4A16_ERRORS))

@@ -92,10 +92,15 @@ def test_whole_preparation_of_a_real_layer_stays_within_cap(model, cap, device):
     preset = get_preset(model)
     tensors = synthetic_layer_tensors(preset, 1, torch.device(device), seed=0)
     layer = make_nvfp4_layer(
-        preset.num_experts, preset.top_k, preset.hidden_size,
-        preset.intermediate_size, preset.is_gated, BACKEND, device=device,
+        preset.num_experts,
+        preset.top_k,
+        preset.hidden_size,
+        preset.intermediate_size,
+        preset.is_gated,
+        BACKEND,
+        device=device,
         max_transient_bytes=cap,
-    )  # fmt: skip
+    )
     load_nvfp4_experts(layer, tensors)
     peak = _prep_peak(layer, device)
     assert 0 < peak <= cap, f"{peak / MIB:.1f} MiB > {cap / MIB:.0f} MiB"

@@ -15,10 +15,25 @@ MIB = 1 << 20
 @pytest.mark.slow
 def test_qwen36_one_layer_report_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
-    main(["bench", "moe-weight-prep", "--model", "qwen3.6-35b-a3b",
-          "--backend", "flashinfer_b12x", "--num-layers", "1", "--no-progress",
-          "--memory-limit", "100MiB", "--json", str(out_json),
-          "--plot", str(out_png)])  # fmt: skip
+    main(
+        [
+            "bench",
+            "moe-weight-prep",
+            "--model",
+            "qwen3.6-35b-a3b",
+            "--backend",
+            "flashinfer_b12x",
+            "--num-layers",
+            "1",
+            "--no-progress",
+            "--memory-limit",
+            "100MiB",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
     text = capsys.readouterr().out
     assert "free memory needed above the resident weights: legacy 288.0 MiB" in text
     assert "legacy EXCEEDS, bounded fits" in text
@@ -50,9 +65,23 @@ def _example(path, fmt="modelopt", layers=2):
         main as write_example,
     )
 
-    write_example([str(path), "--format", fmt, "--num-layers", str(layers),
-                   "--num-experts", "8", "--top-k", "2", "--hidden-size", "256",
-                   "--intermediate-size", "256"])  # fmt: skip
+    write_example(
+        [
+            str(path),
+            "--format",
+            fmt,
+            "--num-layers",
+            str(layers),
+            "--num-experts",
+            "8",
+            "--top-k",
+            "2",
+            "--hidden-size",
+            "256",
+            "--intermediate-size",
+            "256",
+        ]
+    )
     return path
 
 
@@ -60,8 +89,17 @@ def _example(path, fmt="modelopt", layers=2):
 def test_checkpoint_directory(tmp_path, capsys, fmt):
     ckpt = _example(tmp_path / "ckpt", fmt)
     out_json = tmp_path / "r.json"
-    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
-          "--json", str(out_json)])  # fmt: skip
+    main(
+        [
+            "bench",
+            "moe-weight-prep",
+            "--checkpoint",
+            str(ckpt),
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     text = capsys.readouterr().out
     assert f"({fmt}), checkpoint weights" in text
     result = json.loads(out_json.read_text())["ranks"][0]
@@ -86,8 +124,20 @@ def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
     flags, shard, w13 = PARALLEL[case]
     ckpt = _example(tmp_path / "ckpt")
     out_json = tmp_path / "r.json"
-    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
-          *flags, "--no-progress", "--json", str(out_json)])  # fmt: skip
+    main(
+        [
+            "bench",
+            "moe-weight-prep",
+            "--checkpoint",
+            str(ckpt),
+            "--tp",
+            "2",
+            *flags,
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     text = capsys.readouterr().out
     ranks = json.loads(out_json.read_text())["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -126,8 +176,18 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capsys):
             save_file(tensors, f)
     start = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--tp", "2",
-              "--enable-expert-parallel", "--no-progress"])  # fmt: skip
+        main(
+            [
+                "bench",
+                "moe-weight-prep",
+                "--checkpoint",
+                str(ckpt),
+                "--tp",
+                "2",
+                "--enable-expert-parallel",
+                "--no-progress",
+            ]
+        )
     assert exit_info.value.code == 1
     # Well before the collectives' 600 s timeout (a hang would reach it);
     # seconds on a quiet machine, 69 s once with ~8 sessions on 2 cores.
@@ -144,17 +204,23 @@ BAD_ARGUMENTS = {
     "memory limit zero": (["--memory-limit", "0"], "at least one byte"),
     "tiny cap": (["--max-transient", "1"], "below 64KiB"),
     "cap 63KiB": (["--max-transient", "63KiB"], "below 64KiB"),
-    "tp 0": (["--tp", "0"],
-             "argument --tp/-tp/--tensor-parallel-size: must be at least 1, got 0"),
+    "tp 0": (
+        ["--tp", "0"],
+        "argument --tp/-tp/--tensor-parallel-size: must be at least 1, got 0",
+    ),
     "num layers 0": (["--num-layers", "0"], "--num-layers: must be at least 1"),
     "busy cores -1": (["--busy-cores", "-1"], "--busy-cores: must be at least 0"),
-    "json in a missing directory": (["--json", "/nonexistent-dir/r.json"],
-                                    "directory /nonexistent-dir does not exist"),
+    "json in a missing directory": (
+        ["--json", "/nonexistent-dir/r.json"],
+        "directory /nonexistent-dir does not exist",
+    ),
     "plot is a directory": (["--plot", "/"], "--plot /: is a directory"),
-    "checkpoint does not exist": (["--checkpoint", "/nonexistent-ckpt"],
-                                  "--checkpoint /nonexistent-ckpt: no such directory"),
+    "checkpoint does not exist": (
+        ["--checkpoint", "/nonexistent-ckpt"],
+        "--checkpoint /nonexistent-ckpt: no such directory",
+    ),
     "checkpoint is a file": (["--checkpoint", __file__], "not a directory"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARGUMENTS))
@@ -194,8 +260,17 @@ def test_memory_limit_exceeded_exits_non_zero(tmp_path, capsys):
 def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, capsys):
     out_json = tmp_path / "r.json"
     ckpt = _example(tmp_path / "c", layers=3)
-    main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
-          "--json", str(out_json)])  # fmt: skip
+    main(
+        [
+            "bench",
+            "moe-weight-prep",
+            "--checkpoint",
+            str(ckpt),
+            "--no-progress",
+            "--json",
+            str(out_json),
+        ]
+    )
     result = json.loads(out_json.read_text())["ranks"][0]
     layers = result["layers"]
     assert len(layers) == 3
@@ -278,9 +353,11 @@ def test_version(capsys):
 WRITER_ERRORS = {
     "no experts": (["--num-experts", "0"], "--num-experts: must be at least 1"),
     "hidden 100": (["--hidden-size", "100"], "--hidden-size must be a multiple of 16"),
-    "top-k above experts": (["--num-experts", "4", "--top-k", "8"],
-                            "--top-k 8 is more than --num-experts 4"),
-}  # fmt: skip
+    "top-k above experts": (
+        ["--num-experts", "4", "--top-k", "8"],
+        "--top-k 8 is more than --num-experts 4",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(WRITER_ERRORS))

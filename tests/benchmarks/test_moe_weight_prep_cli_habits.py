@@ -24,10 +24,14 @@ def _job_parser():
 
 @pytest.mark.parametrize(
     "argv",
-    [["--tp", "2"], ["-tp", "2"], ["--tensor-parallel-size", "2"],
-     ["--tensor-parallel-size=2"]],
+    [
+        ["--tp", "2"],
+        ["-tp", "2"],
+        ["--tensor-parallel-size", "2"],
+        ["--tensor-parallel-size=2"],
+    ],
     ids=lambda a: a[0],
-)  # fmt: skip
+)
 def test_tensor_parallel_spellings(argv):
     args = _job_parser().parse_args(["--model", "mixtral-8x7b", *argv])
     assert args.tp == 2 and not args.enable_expert_parallel
@@ -77,8 +81,9 @@ def test_list_prints_the_ids_and_honours_json(tmp_path, capsys):
     assert main(["bench", "moe-weight-prep", "--model", "list"]) == 0
     text = capsys.readouterr().out
     assert "Qwen/Qwen3.6-35B-A3B" in text and "mistralai/Mixtral-8x7B-v0.1" in text
-    assert main(["bench", "moe-weight-prep", "--model", "list", "--json",
-                 str(out)]) == 0  # fmt: skip
+    assert (
+        main(["bench", "moe-weight-prep", "--model", "list", "--json", str(out)]) == 0
+    )
     listing = json.loads(out.read_text())
     by_name = {p["name"]: p for p in listing["presets"]}
     assert by_name["qwen3.6-35b-a3b"]["hf_id"] == "Qwen/Qwen3.6-35B-A3B"
@@ -89,43 +94,61 @@ def test_list_prints_the_ids_and_honours_json(tmp_path, capsys):
 ARGUMENT_ERRORS = {
     # 19.12: the plot's format and directory, before the run.
     "plot txt": (["--plot", "p.txt"], "--plot p.txt: unknown plot format 'txt'"),
-    "plot in /proc": (["--plot", "/proc/p.png"],
-                      "--plot /proc/p.png: cannot write in /proc"),
-    "plot missing dir": (["--plot", "/nonexistent-dir/p.png"],
-                         "directory /nonexistent-dir does not exist"),
+    "plot in /proc": (
+        ["--plot", "/proc/p.png"],
+        "--plot /proc/p.png: cannot write in /proc",
+    ),
+    "plot missing dir": (
+        ["--plot", "/nonexistent-dir/p.png"],
+        "directory /nonexistent-dir does not exist",
+    ),
     # 19.13
-    "busy cores 1000": (["--busy-cores", "1000"],
-                        f"--busy-cores: must be at most {available_cores()}"),
+    "busy cores 1000": (
+        ["--busy-cores", "1000"],
+        f"--busy-cores: must be at most {available_cores()}",
+    ),
     # 19.14: the same error with one rank or two, before spawning.
-    "num layers 99": (["--num-layers", "99"],
-                      "--num-layers must be in [1, 40] for qwen3.6-35b-a3b, got 99"),
-    "num layers 99 tp 2": (["--num-layers", "99", "--tp", "2"],
-                           "--num-layers must be in [1, 40] for qwen3.6-35b-a3b"),
-    "num layers 99 ep 2": (["--num-layers", "99", "-tp", "2", "-ep"],
-                           "--num-layers must be in [1, 40]"),
+    "num layers 99": (
+        ["--num-layers", "99"],
+        "--num-layers must be in [1, 40] for qwen3.6-35b-a3b, got 99",
+    ),
+    "num layers 99 tp 2": (
+        ["--num-layers", "99", "--tp", "2"],
+        "--num-layers must be in [1, 40] for qwen3.6-35b-a3b",
+    ),
+    "num layers 99 ep 2": (
+        ["--num-layers", "99", "-tp", "2", "-ep"],
+        "--num-layers must be in [1, 40]",
+    ),
     "precision bad": (["--precision", "most"], "argument --precision: invalid choice"),
     # 20.3: a missing directory is reported as missing.
-    "checkpoint missing": (["--checkpoint", "/nonexistent-ckpt"],
-                           "--checkpoint /nonexistent-ckpt: no such directory"),
+    "checkpoint missing": (
+        ["--checkpoint", "/nonexistent-ckpt"],
+        "--checkpoint /nonexistent-ckpt: no such directory",
+    ),
     "tp 3": (["--tp", "3"], "--tp 3 does not divide"),
     "cap too small": (["--max-transient", "1"], "below 64KiB"),
     # -ep alone ran without expert parallelism, without a word (rc 0).
-    "ep without tp": (["-ep"], "--enable-expert-parallel (-ep) needs --tp N "
-                      "with N > 1"),
+    "ep without tp": (
+        ["-ep"],
+        "--enable-expert-parallel (-ep) needs --tp N with N > 1",
+    ),
     "ep with tp 1": (["--tp", "1", "--enable-expert-parallel"], "needs --tp N"),
     # No abbreviations: a typo is not another option.
-    "num-layer typo": (["--num-layer", "1"],
-                       "unrecognized arguments: --num-layer 1"),
+    "num-layer typo": (["--num-layer", "1"], "unrecognized arguments: --num-layer 1"),
     "prefix of --memory-limit": (["--mem", "5MiB"], "unrecognized arguments: --mem"),
     # A negative size reaches the size's own message, in both spellings
     # (before: "expected one argument" for the first).
-    "memory limit -5MiB": (["--memory-limit", "-5MiB"],
-                           "argument --memory-limit: size must be at least one "
-                           "byte, got '-5MiB'"),
-    "memory limit=-5MiB": (["--memory-limit=-5MiB"],
-                           "size must be at least one byte, got '-5MiB'"),
+    "memory limit -5MiB": (
+        ["--memory-limit", "-5MiB"],
+        "argument --memory-limit: size must be at least one byte, got '-5MiB'",
+    ),
+    "memory limit=-5MiB": (
+        ["--memory-limit=-5MiB"],
+        "size must be at least one byte, got '-5MiB'",
+    ),
     "max transient -.5G": (["--max-transient", "-.5G"], "at least one byte"),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(ARGUMENT_ERRORS))
@@ -144,8 +167,9 @@ def test_argument_errors_come_before_the_run_with_a_help_hint(case, capsys, no_r
 def test_negative_values_that_are_numbers_still_parse():
     # Control for the negative sizes above: a value starting with "-" and a
     # digit is a value (a negative seed as before), options are unchanged.
-    args = _job_parser().parse_args(["--model", "mixtral-8x7b", "--seed", "-3",
-                                     "-tp", "2", "-ep"])  # fmt: skip
+    args = _job_parser().parse_args(
+        ["--model", "mixtral-8x7b", "--seed", "-3", "-tp", "2", "-ep"]
+    )
     assert args.seed == -3 and args.tp == 2 and args.enable_expert_parallel
 
 
@@ -154,10 +178,23 @@ def _example(path, activation="silu", layers=1, experts=8):
         main as write_example,
     )
 
-    write_example([str(path), "--num-layers", str(layers), "--num-experts",
-                   str(experts), "--top-k", "2", "--hidden-size", "256",
-                   "--intermediate-size", "256", "--activation",
-                   activation])  # fmt: skip
+    write_example(
+        [
+            str(path),
+            "--num-layers",
+            str(layers),
+            "--num-experts",
+            str(experts),
+            "--top-k",
+            "2",
+            "--hidden-size",
+            "256",
+            "--intermediate-size",
+            "256",
+            "--activation",
+            activation,
+        ]
+    )
     return path
 
 
@@ -172,10 +209,15 @@ def test_a_damaged_second_shard_is_refused_before_the_first_layer(
     )
 
     layers = {i: random_bf16_experts(8, 256, 256, True, seed=i) for i in range(3)}
-    config = {"hidden_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
-              "moe_intermediate_size": 256}  # fmt: skip
-    ckpt = write_nvfp4_moe_checkpoint(tmp_path / "ckpt", layers, config,
-                                      max_shard_bytes=1 << 20)  # fmt: skip
+    config = {
+        "hidden_size": 256,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+    }
+    ckpt = write_nvfp4_moe_checkpoint(
+        tmp_path / "ckpt", layers, config, max_shard_bytes=1 << 20
+    )
     second = sorted(ckpt.glob("*.safetensors"))[1]
     data = second.read_bytes()
     second.write_bytes(data[:8] + b"\xff" * 16 + data[24:])
@@ -185,8 +227,9 @@ def test_a_damaged_second_shard_is_refused_before_the_first_layer(
 
 def _run(tmp_path, capsys, *argv, ckpt=None):
     ckpt = ckpt or _example(tmp_path / "ckpt")
-    rc = main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
-               *argv])  # fmt: skip
+    rc = main(
+        ["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress", *argv]
+    )
     return rc, capsys.readouterr()
 
 
@@ -198,8 +241,14 @@ def test_one_json_layout_for_any_number_of_ranks(tmp_path, capsys, tp):
     job = json.loads(out.read_text())
     assert job["world_size"] == int(tp) and len(job["ranks"]) == int(tp)
     assert [r["rank"] for r in job["ranks"]] == list(range(int(tp)))
-    assert set(job) >= {"world_size", "expert_parallel", "busy_cores",
-                        "precision", "wall_time_s", "ranks"}  # fmt: skip
+    assert set(job) >= {
+        "world_size",
+        "expert_parallel",
+        "busy_cores",
+        "precision",
+        "wall_time_s",
+        "ranks",
+    }
 
 
 def test_steps_that_do_not_apply_are_a_dash(tmp_path, capsys):
@@ -208,8 +257,7 @@ def test_steps_that_do_not_apply_are_a_dash(tmp_path, capsys):
     out = tmp_path / "r.json"
     rc, captured = _run(tmp_path, capsys, "--json", str(out), ckpt=ckpt)
     assert rc == 0
-    row = next(line for line in captured.out.splitlines()
-               if line.startswith("reorder"))  # fmt: skip
+    row = next(line for line in captured.out.splitlines() if line.startswith("reorder"))
     assert row.split() == ["reorder", "-", "-", "-", "-"], row
     summary = json.loads(out.read_text())["ranks"][0]["summary"]
     for variant in ("legacy", "bounded"):
@@ -217,8 +265,7 @@ def test_steps_that_do_not_apply_are_a_dash(tmp_path, capsys):
         assert summary[variant]["reorder"]["max_transient_bytes"] is None
     # Control: gated experts do reorder, and the row has figures.
     rc, captured = _run(tmp_path, capsys)
-    row = next(line for line in captured.out.splitlines()
-               if line.startswith("reorder"))  # fmt: skip
+    row = next(line for line in captured.out.splitlines() if line.startswith("reorder"))
     assert "-" not in row.split()[1:], row
 
 
@@ -250,8 +297,19 @@ def test_json_is_written_before_the_plot_and_survives_its_failure(
     out, plot = tmp_path / "r.json", tmp_path / "p.png"
     ckpt = _example(tmp_path / "ckpt")
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), "--no-progress",
-              "--json", str(out), "--plot", str(plot)])  # fmt: skip
+        main(
+            [
+                "bench",
+                "moe-weight-prep",
+                "--checkpoint",
+                str(ckpt),
+                "--no-progress",
+                "--json",
+                str(out),
+                "--plot",
+                str(plot),
+            ]
+        )
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"{PROG}: error: --plot {plot}: No space left on device"], err
@@ -264,8 +322,16 @@ def test_json_is_written_before_the_plot_and_survives_its_failure(
 @pytest.mark.parametrize("how", ["sample", "full", "off"])
 def test_precision_report_says_what_it_decoded(tmp_path, capsys, how):
     out = tmp_path / "r.json"
-    rc, captured = _run(tmp_path, capsys, "--precision", how, "--json", str(out),
-                        "--global-scale-mode", "fold")  # fmt: skip
+    rc, captured = _run(
+        tmp_path,
+        capsys,
+        "--precision",
+        how,
+        "--json",
+        str(out),
+        "--global-scale-mode",
+        "fold",
+    )
     assert rc == 0
     job = json.loads(out.read_text())
     precision = job["ranks"][0]["precision"]
@@ -283,10 +349,10 @@ def test_precision_report_says_what_it_decoded(tmp_path, capsys, how):
     assert said in captured.out, captured.out
     # Each mode's error is printed, "exact" exactly where it is zero (the
     # example writer gives gate and up different global scales).
-    alpha = next(line for line in captured.out.splitlines()
-                 if line.startswith("alpha "))  # fmt: skip
-    fold = next(line for line in captured.out.splitlines()
-                if line.startswith("fold "))  # fmt: skip
+    alpha = next(
+        line for line in captured.out.splitlines() if line.startswith("alpha ")
+    )
+    fold = next(line for line in captured.out.splitlines() if line.startswith("fold "))
     alpha_error = precision["alpha"]["rel_rms"]
     assert alpha.split()[1] == f"{alpha_error:.4f}"
     assert alpha.endswith("exact") == (alpha_error == 0)

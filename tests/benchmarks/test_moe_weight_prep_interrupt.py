@@ -41,18 +41,35 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ctrl_c_during_the_run_is_one_line_and_status_130(case, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "p.png"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", *PROG.split()[1:],
-           "--model", "qwen3.6-35b-a3b", *CASES[case], "--json", str(out_json),
-           "--plot", str(out_png)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        *PROG.split()[1:],
+        "--model",
+        "qwen3.6-35b-a3b",
+        *CASES[case],
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+    ]
     # A session of its own: Ctrl-C in a terminal reaches the whole process
     # group (the job, its ranks and busy processes), as killpg does here.
     # SIGINT at its default in the job, which ignores it when inherited so.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_env(), start_new_session=True,
-                            preexec_fn=reset_sigint_in_child)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        start_new_session=True,
+        preexec_fn=reset_sigint_in_child,
+    )
     err: list[bytes] = []
-    reader = threading.Thread(target=lambda: err.extend(iter(
-        lambda: proc.stderr.read1(4096), b"")), daemon=True)  # fmt: skip
+    reader = threading.Thread(
+        target=lambda: err.extend(iter(lambda: proc.stderr.read1(4096), b"")),
+        daemon=True,
+    )
     reader.start()
     try:
         deadline = time.monotonic() + 240
@@ -94,9 +111,14 @@ def test_ctrl_c_while_importing_exits_at_once_quietly():
     )
     # Where SIGINT is inherited as ignored the job leaves it so (a
     # background job's Ctrl-C is not its own): reset it, as a terminal has it.
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                            text=True, env=_env(), timeout=180,
-                            preexec_fn=reset_sigint_in_child)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=180,
+        preexec_fn=reset_sigint_in_child,
+    )
     assert result.returncode == 130
     assert result.stderr == "vllm: interrupted\n" and result.stdout == ""
 

@@ -29,8 +29,14 @@ def _run(tmp_path: Path, python3_rc: int) -> tuple[subprocess.CompletedProcess, 
     _shim(shims, "python3", f"{log}exit {python3_rc}\n")
     _shim(shims, "python", "echo 'python: command not found' >&2\nexit 127\n")
     env = dict(os.environ, PATH=f"{shims}:/usr/bin:/bin", OUT=str(tmp_path / "out"))
-    done = subprocess.run(["bash", str(SCRIPT)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return done, (tmp_path / "out" / "status.txt").read_text()
 
 

@@ -67,8 +67,9 @@ def kill_parent_and_time_survivors(script, children, sig, tmp_path, watch=()):
     is dead and every path in ``watch`` is gone, or past the limit, what is
     left (a string)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
-                            stdout=subprocess.PIPE, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, env=env
+    )
     pids: list[int] = []
     try:
         pids = [int(line.split()[-1]) for line in _read_lines(proc, children)]

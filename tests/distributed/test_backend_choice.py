@@ -12,10 +12,15 @@ from vllm.distributed import parallel_state as ps
 
 @pytest.mark.parametrize(
     "device,backend",
-    [("cpu", "gloo"), ("cuda", "nccl"), ("cuda:1", "nccl"),
-     (torch.device("cpu"), "gloo"), ("meta", "gloo")],
+    [
+        ("cpu", "gloo"),
+        ("cuda", "nccl"),
+        ("cuda:1", "nccl"),
+        (torch.device("cpu"), "gloo"),
+        ("meta", "gloo"),
+    ],
     ids=str,
-)  # fmt: skip
+)
 def test_backend_for_device(device, backend, monkeypatch):
     # Whatever CUDA's presence: the answer depends on the device only.
     for present in (True, False):
@@ -31,9 +36,11 @@ def test_cpu_job_on_a_cuda_host_uses_gloo(tmp_path, monkeypatch, device):
     assert not dist.is_initialized()
     try:
         ps.init_distributed_environment(
-            world_size=1, rank=0, device=device,
+            world_size=1,
+            rank=0,
+            device=device,
             distributed_init_method=f"file://{tmp_path / 'store'}",
-        )  # fmt: skip
+        )
         assert dist.get_backend() == "gloo"
         assert ps.get_world_group().backend == "gloo"
         ps.initialize_model_parallel(1)

@@ -35,11 +35,15 @@ E, H, I_SIZE = 8, 256, 128
 
 def _layer(gated, **parallel):
     return FusedMoE(
-        num_experts=E, top_k=4, hidden_size=H, intermediate_size=I_SIZE,
+        num_experts=E,
+        top_k=4,
+        hidden_size=H,
+        intermediate_size=I_SIZE,
         activation="silu" if gated else "relu2",
         quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-        moe_backend="flashinfer_b12x_emulated", **parallel,
-    )  # fmt: skip
+        moe_backend="flashinfer_b12x_emulated",
+        **parallel,
+    )
 
 
 def _tensors(gated):
@@ -60,14 +64,16 @@ def _worker(rank, x, logits):
     out = {}
     for gated in (True, False):
         tensors = _tensors(gated)
-        layer, y = _run(tensors, gated, x, logits, enable_expert_parallel=True,
-                        reduce_results=True)  # fmt: skip
+        layer, y = _run(
+            tensors, gated, x, logits, enable_expert_parallel=True, reduce_results=True
+        )
         emap = layer.expert_map
         out[gated] = {"y": y, "map": emap.tolist(), "local": layer.local_num_experts}
         # Control: both ranks hold rank 0's experts (the layer refuses that
         # with reduce_results=True, so the partials are summed here).
-        _, partial = _run(tensors, gated, x, logits, tp_rank=0, tp_size=1,
-                          ep_rank=0, ep_size=2)  # fmt: skip
+        _, partial = _run(
+            tensors, gated, x, logits, tp_rank=0, tp_size=1, ep_rank=0, ep_size=2
+        )
         out[gated]["wrong"] = tensor_model_parallel_all_reduce(partial)
     return out
 
@@ -78,8 +84,7 @@ def two_ranks():
     x = torch.randn(16, H, generator=gen).bfloat16()
     logits = torch.randn(16, E, generator=gen)
     reference = {g: _run(_tensors(g), g, x, logits)[1] for g in (True, False)}
-    results = spawn_workers(_worker, 2, args=(x, logits), timeout_s=600,
-                            deadline_s=600)  # fmt: skip
+    results = spawn_workers(_worker, 2, args=(x, logits), timeout_s=600, deadline_s=600)
     return results, reference
 
 

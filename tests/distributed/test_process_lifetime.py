@@ -56,8 +56,9 @@ LAUNCHER_PARENT = """
 )
 def test_workers_and_their_store_die_with_their_parent(tmp_path, sig, hold_the_gil):
     script = LAUNCHER_PARENT.format(hold=hold_the_gil)
-    took = kill_parent_and_time_survivors(script, 2, sig, tmp_path,
-                                           watch=["vllm-dist-*"])  # fmt: skip
+    took = kill_parent_and_time_survivors(
+        script, 2, sig, tmp_path, watch=["vllm-dist-*"]
+    )
     assert not isinstance(took, str) and took < SURVIVAL_LIMIT_S, took
     assert list(tmp_path.iterdir()) == []
 
@@ -72,8 +73,9 @@ def test_a_directory_is_removed_after_its_owner_is_killed(tmp_path):
             print("parent", os.getpid(), flush=True)
             time.sleep(600)
     """
-    took = kill_parent_and_time_survivors(script, 1, signal.SIGKILL, tmp_path,
-                                           watch=["d"])  # fmt: skip
+    took = kill_parent_and_time_survivors(
+        script, 1, signal.SIGKILL, tmp_path, watch=["d"]
+    )
     assert not isinstance(took, str) and took < SURVIVAL_LIMIT_S, took
 
 
@@ -120,19 +122,22 @@ def _tp_view(rank):
 
 def test_tensor_parallel_groups_smaller_than_the_world():
     # World 2, TP 1: two groups of one rank; an all-reduce sums nothing.
-    results = spawn_workers(_tp_view, 2, tp_size=1, timeout_s=120,
-                            deadline_s=START_TIMEOUT_S)  # fmt: skip
+    results = spawn_workers(
+        _tp_view, 2, tp_size=1, timeout_s=120, deadline_s=START_TIMEOUT_S
+    )
     assert results == [([0], 0, 1, 1.0), ([1], 0, 1, 2.0)]
 
 
 @pytest.mark.parametrize(
     "world_size, tp_size, message",
-    [(0, None, "world_size must be an integer >= 1, got 0"),
-     (2, 0, "tp_size must be an integer >= 1, got 0"),
-     (2, 3, "tp_size 3 does not divide world_size 2"),
-     (4, 3, "tp_size 3 does not divide world_size 4"),
-     (2, True, "tp_size must be an integer >= 1, got True")],
-)  # fmt: skip
+    [
+        (0, None, "world_size must be an integer >= 1, got 0"),
+        (2, 0, "tp_size must be an integer >= 1, got 0"),
+        (2, 3, "tp_size 3 does not divide world_size 2"),
+        (4, 3, "tp_size 3 does not divide world_size 4"),
+        (2, True, "tp_size must be an integer >= 1, got True"),
+    ],
+)
 def test_launcher_arguments_are_checked_before_spawning(world_size, tp_size, message):
     with pytest.raises(ValueError, match=message):
         spawn_workers(_tp_view, world_size, tp_size=tp_size)

@@ -34,13 +34,25 @@ READABLE = [
     ({"model_type": "qwen3_next", "norm_topk_prob": False}, False, "norm_topk_prob"),
     ({"model_type": "mixtral"}, True, "model_type mixtral"),
     ({"model_type": "qwen3_5_moe_text"}, True, "model_type qwen3_5_moe_text"),
-    ({"model_type": "qwen3_5_moe_text", "norm_topk_prob": True}, True,
-     "model_type qwen3_5_moe_text"),
+    (
+        {"model_type": "qwen3_5_moe_text", "norm_topk_prob": True},
+        True,
+        "model_type qwen3_5_moe_text",
+    ),
     ({"norm_topk_prob": False}, False, "norm_topk_prob"),  # no model_type
-    ({"model_type": "qwen3_moe", "scoring_func": "softmax", "n_group": 1,
-      "topk_group": 1, "routed_scaling_factor": 1.0, "topk_method": "greedy"},
-     False, "norm_topk_prob default of qwen3_moe"),
-]  # fmt: skip
+    (
+        {
+            "model_type": "qwen3_moe",
+            "scoring_func": "softmax",
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.0,
+            "topk_method": "greedy",
+        },
+        False,
+        "norm_topk_prob default of qwen3_moe",
+    ),
+]
 
 
 @pytest.mark.parametrize("config,renormalize,source", READABLE)
@@ -58,15 +70,17 @@ REFUSED = [
     ({"model_type": "qwen3_moe", "topk_method": "noaux_tc"}, "topk_method"),
     ({"model_type": "qwen3_moe", "n_group": 8}, "n_group"),
     ({"model_type": "qwen3_moe", "topk_group": 4}, "topk_group"),
-    ({"model_type": "qwen3_moe", "routed_scaling_factor": 2.5},
-     "routed_scaling_factor"),
+    (
+        {"model_type": "qwen3_moe", "routed_scaling_factor": 2.5},
+        "routed_scaling_factor",
+    ),
     ({"model_type": "qwen3_moe", "n_group": True}, "n_group"),
     ({"model_type": "qwen3_moe", "norm_topk_prob": "yes"}, "norm_topk_prob"),
     ({"model_type": "qwen3_moe", "norm_topk_prob": 1}, "norm_topk_prob"),
     ({"model_type": "qwen3_5_moe_text", "norm_topk_prob": False}, "norm_topk_prob"),
     ({"model_type": "some_moe"}, "norm_topk_prob"),
     ({}, "norm_topk_prob"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("config,key", REFUSED)
@@ -77,8 +91,12 @@ def test_other_routing_is_refused_naming_the_key(config, key):
 
 def _checkpoint(tmp_path, config: dict) -> NVFP4MoECheckpoint:
     layers = {0: random_bf16_experts(E, H, I, True, seed=0)}
-    base = {"hidden_size": H, "num_experts": E, "num_experts_per_tok": TOPK,
-            "moe_intermediate_size": I}  # fmt: skip
+    base = {
+        "hidden_size": H,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": I,
+    }
     write_nvfp4_moe_checkpoint(tmp_path, layers, {**base, **config})
     return NVFP4MoECheckpoint(tmp_path)
 
@@ -89,11 +107,17 @@ def test_a_nested_text_config_declares_the_routing(tmp_path):
     ckpt = _checkpoint(tmp_path / "a", {"model_type": "qwen3_5_moe"})
     assert ckpt.routing.renormalize
     layers = {0: random_bf16_experts(E, H, I, True, seed=0)}
-    text = {"model_type": "qwen3_5_moe_text", "hidden_size": H, "num_experts": E,
-            "num_experts_per_tok": TOPK, "moe_intermediate_size": I}  # fmt: skip
+    text = {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": H,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": I,
+    }
     out = tmp_path / "b"
-    write_nvfp4_moe_checkpoint(out, layers, {"model_type": "qwen3_5_moe",
-                                             "text_config": text})  # fmt: skip
+    write_nvfp4_moe_checkpoint(
+        out, layers, {"model_type": "qwen3_5_moe", "text_config": text}
+    )
     assert NVFP4MoECheckpoint(out).routing.source == "model_type qwen3_5_moe_text"
     cfg = json.loads((out / "config.json").read_text())
     cfg["text_config"]["norm_topk_prob"] = False
@@ -139,7 +163,20 @@ def test_the_example_checkpoint_declares_its_routing(tmp_path):
     from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import main
 
     out = tmp_path / "example"
-    main([str(out), "--num-layers", "1", "--num-experts", "8", "--hidden-size",
-          "256", "--intermediate-size", "128", "--top-k", "2"])  # fmt: skip
+    main(
+        [
+            str(out),
+            "--num-layers",
+            "1",
+            "--num-experts",
+            "8",
+            "--hidden-size",
+            "256",
+            "--intermediate-size",
+            "128",
+            "--top-k",
+            "2",
+        ]
+    )
     routing = NVFP4MoECheckpoint(out).routing
     assert routing == MoERouting(2, True, "model_type qwen3_5_moe_text")

@@ -30,14 +30,20 @@ from vllm.utils.mem_utils import measure_peak_memory
 
 E, H, I = 4, 64, 32  # noqa: E741 (the facts file's names)
 PROG = "python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer"
-CONFIG = {"hidden_size": H, "num_experts": E, "num_experts_per_tok": 2,
-          "moe_intermediate_size": I, "num_hidden_layers": 2}  # fmt: skip
+CONFIG = {
+    "hidden_size": H,
+    "num_experts": E,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": I,
+    "num_hidden_layers": 2,
+}
 
 
 def _write(path, fmt=MODELOPT, seed=0, **kwargs):
     layers = {i: random_bf16_experts(E, H, I, True, seed=seed + i) for i in (0, 1)}
-    return write_nvfp4_moe_checkpoint(path, layers, CONFIG, fmt=fmt,
-                                      max_shard_bytes=8 << 10, **kwargs)  # fmt: skip
+    return write_nvfp4_moe_checkpoint(
+        path, layers, CONFIG, fmt=fmt, max_shard_bytes=8 << 10, **kwargs
+    )
 
 
 def _snapshot(path):
@@ -50,8 +56,11 @@ def test_a_non_empty_directory_is_refused_unless_overwritten(tmp_path):
     before = _snapshot(out)
     # A compressed-tensors checkpoint over a ModelOpt one: its stale
     # hf_quant_config.json would make the reader take it for ModelOpt.
-    with pytest.raises(ValueError, match=r"ckpt: directory is not empty "
-                       r"\(overwrite=True replaces it\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"ckpt: directory is not empty "
+        r"\(overwrite=True replaces it\)",
+    ):
         _write(out, COMPRESSED_TENSORS)
     assert _snapshot(out) == before
     (out / "stale.safetensors").write_bytes(b"x")
@@ -130,8 +139,19 @@ def _last_error_line(capsys):
 
 def test_cli_refuses_a_non_empty_directory_unless_overwrite(tmp_path, capsys):
     out = tmp_path / "ckpt"
-    args = [str(out), "--num-layers", "1", "--num-experts", "4", "--top-k", "2",
-            "--hidden-size", "64", "--intermediate-size", "32"]  # fmt: skip
+    args = [
+        str(out),
+        "--num-layers",
+        "1",
+        "--num-experts",
+        "4",
+        "--top-k",
+        "2",
+        "--hidden-size",
+        "64",
+        "--intermediate-size",
+        "32",
+    ]
     main(args)
     with pytest.raises(SystemExit) as exit_info:
         main([*args, "--format", "compressed-tensors"])
@@ -175,8 +195,9 @@ def test_cli_under_an_address_space_limit_is_a_one_line_error(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), -1))
         main([{str(tmp_path / "ckpt")!r}, "--num-experts", "2000"])
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2, lines  # the error and the --help hint
@@ -195,8 +216,13 @@ def test_available_memory_is_bounded_by_the_address_space_limit():
         resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), -1))
         print(json.dumps([free, available_memory_bytes()]))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True,
-                         text=True, timeout=300, check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     free, limited = json.loads(out)
     assert free > 0
     assert limited <= 1 << 30 and limited > (1 << 30) - (64 << 20)

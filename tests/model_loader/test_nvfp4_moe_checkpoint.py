@@ -36,27 +36,42 @@ BACKEND = "flashinfer_b12x_emulated"
 
 def qwen_config(e=E, h=H, i=I, layers=2):
     return {
-        "model_type": "qwen3_5_moe_text", "hidden_size": h, "num_hidden_layers": layers,
-        "num_experts": e, "num_experts_per_tok": TOPK, "moe_intermediate_size": i,
-    }  # fmt: skip
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": h,
+        "num_hidden_layers": layers,
+        "num_experts": e,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": i,
+    }
 
 
 def write_ckpt(path, fmt=MODELOPT, gated=True, e=E, h=H, i=I, **kwargs):
     layers = {idx: random_bf16_experts(e, h, i, gated, seed=idx) for idx in (0, 1)}
-    write_nvfp4_moe_checkpoint(path, layers, qwen_config(e, h, i), fmt=fmt,
-                               gated=gated, **kwargs)  # fmt: skip
+    write_nvfp4_moe_checkpoint(
+        path, layers, qwen_config(e, h, i), fmt=fmt, gated=gated, **kwargs
+    )
     return layers
 
 
-def make_layer(gated=True, place=None, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1,
-               e=E, **kwargs):  # fmt: skip
+def make_layer(
+    gated=True, place=None, tp_rank=0, tp_size=1, ep_rank=0, ep_size=1, e=E, **kwargs
+):
     return FusedMoE(
-        num_experts=e, top_k=TOPK, hidden_size=H, intermediate_size=I,
+        num_experts=e,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
         activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config.for_mode(), moe_backend=BACKEND, device="cpu",
-        tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank, ep_size=ep_size,
-        place_w3w1_at_load=place, **kwargs,
-    )  # fmt: skip
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend=BACKEND,
+        device="cpu",
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        ep_rank=ep_rank,
+        ep_size=ep_size,
+        place_w3w1_at_load=place,
+        **kwargs,
+    )
 
 
 def params_bytes(layer):
@@ -98,8 +113,13 @@ def test_weight_loader_places_shards_and_scalars():
 
 def test_weight_loader_tensor_parallel():
     # Full checkpoint tensors, rows/columns numbered so each rank's slice shows.
-    full_w1 = torch.arange(2 * 64, dtype=torch.int64).view(64 * 2, 1).expand(
-        128, H // 2).to(torch.uint8).contiguous()  # fmt: skip
+    full_w1 = (
+        torch.arange(2 * 64, dtype=torch.int64)
+        .view(64 * 2, 1)
+        .expand(128, H // 2)
+        .to(torch.uint8)
+        .contiguous()
+    )
     full_w2 = (
         torch.arange(I // 2, dtype=torch.uint8).view(1, -1).expand(H, -1).contiguous()
     )
@@ -133,11 +153,18 @@ def test_weight_loader_expert_parallel():
 
 def test_weight_loader_errors_name_the_tensor():
     layer = make_layer(place=False)
-    msg = (r"experts.0.gate_proj.weight: expected shape \(128, 128\) for "
-           r"w13_weight\[w1\], got \(64, 128\)")  # fmt: skip
+    msg = (
+        r"experts.0.gate_proj.weight: expected shape \(128, 128\) for "
+        r"w13_weight\[w1\], got \(64, 128\)"
+    )
     with pytest.raises(ValueError, match=msg):
-        layer.weight_loader(layer.w13_weight, _shard(64, H // 2, 1),
-                            "experts.0.gate_proj.weight", "w1", 0)  # fmt: skip
+        layer.weight_loader(
+            layer.w13_weight,
+            _shard(64, H // 2, 1),
+            "experts.0.gate_proj.weight",
+            "w1",
+            0,
+        )
     with pytest.raises(ValueError, match="expected dtype torch.float8_e4m3fn"):
         layer.weight_loader(layer.w13_weight_scale, _shard(I, H // 16, 1), "s", "w1", 0)
     with pytest.raises(ValueError, match="expected shape"):
@@ -255,18 +282,22 @@ MISSING = "model.layers.0.mlp.experts.5.up_proj.weight_scale"
 BAD_CHECKPOINTS = {
     "missing expert tensor": (
         lambda p: _drop_from_index(p, MISSING),
-        "missing tensor " + MISSING.replace(".", r"\."), E,
+        "missing tensor " + MISSING.replace(".", r"\."),
+        E,
     ),
     "unknown algorithm": (
-        lambda p: _set_algo(p, "FP8"), "unsupported ModelOpt quant_algo 'FP8'", E,
+        lambda p: _set_algo(p, "FP8"),
+        "unsupported ModelOpt quant_algo 'FP8'",
+        E,
     ),
     "truncated file": (_truncate, r"model-00001-of-00001\.safetensors", E),
     "corrupt file": (_corrupt, r"model-00001-of-00001\.safetensors", E),
     "files vs config expert count": (
         _more_experts_in_config,
-        "says 16 experts, but layer 0 of the checkpoint has tensors for 8", 2 * E,
+        "says 16 experts, but layer 0 of the checkpoint has tensors for 8",
+        2 * E,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_CHECKPOINTS))
@@ -362,14 +393,22 @@ def _transformers_experts(gated):
             Qwen3_5MoeExperts,
         )
 
-        cfg = Qwen3_5MoeTextConfig(hidden_size=H, moe_intermediate_size=I,
-                                   num_experts=E, num_experts_per_tok=TOPK)  # fmt: skip
+        cfg = Qwen3_5MoeTextConfig(
+            hidden_size=H,
+            moe_intermediate_size=I,
+            num_experts=E,
+            num_experts_per_tok=TOPK,
+        )
         return cfg, Qwen3_5MoeExperts(cfg)
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
-    cfg = NemotronHConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
-                          num_experts_per_tok=TOPK)  # fmt: skip
+    cfg = NemotronHConfig(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        n_routed_experts=E,
+        num_experts_per_tok=TOPK,
+    )
     return cfg, NemotronHExperts(cfg)
 
 
@@ -391,9 +430,16 @@ def test_matches_transformers_experts(tmp_path, gated, fmt):
     # preparation's scale fold exact, so FusedMoE and transformers compute the
     # same function on the same (dequantized) weights.
     block, prefix = ("mlp", "model.layers") if gated else ("mixer", "backbone.layers")
-    write_nvfp4_moe_checkpoint(tmp_path, {3: (w13, w2)}, qwen_config(), fmt=fmt,
-                               gated=gated, block=block, prefix=prefix,
-                               pow2_global_scales=True)  # fmt: skip
+    write_nvfp4_moe_checkpoint(
+        tmp_path,
+        {3: (w13, w2)},
+        qwen_config(),
+        fmt=fmt,
+        gated=gated,
+        block=block,
+        prefix=prefix,
+        pow2_global_scales=True,
+    )
     ckpt = NVFP4MoECheckpoint(tmp_path)
     assert ckpt.activation == ("silu" if gated else "relu2")
     layer = make_layer(gated=gated, experts_kwargs={"weights_only": True})
@@ -483,54 +529,87 @@ def _no_index(path):
 
 
 UNTRUSTED = {
-    "absolute shard path": (lambda p: _point_shard(p, "/etc/passwd"),
-                            "must be a path inside the checkpoint directory"),
-    "dotdot shard path": (lambda p: _point_shard(p, "../x.safetensors"),
-                          "must be a path inside the checkpoint directory"),
+    "absolute shard path": (
+        lambda p: _point_shard(p, "/etc/passwd"),
+        "must be a path inside the checkpoint directory",
+    ),
+    "dotdot shard path": (
+        lambda p: _point_shard(p, "../x.safetensors"),
+        "must be a path inside the checkpoint directory",
+    ),
     "symlinked shard leaving the directory": (
-        _symlink_shard_outside, "outside the checkpoint directory"),
+        _symlink_shard_outside,
+        "outside the checkpoint directory",
+    ),
     "symlinked shard, no index": (
         lambda p: (_symlink_shard_outside(p), _no_index(p)),
-        "outside the checkpoint directory"),
-    "FIFO shard": (lambda p: _fifo(p, "model-00001-of-00001.safetensors"),
-                   "is not a regular file"),
-    "FIFO index": (lambda p: _fifo(p, "model.safetensors.index.json"),
-                   "is not a regular file"),
+        "outside the checkpoint directory",
+    ),
+    "FIFO shard": (
+        lambda p: _fifo(p, "model-00001-of-00001.safetensors"),
+        "is not a regular file",
+    ),
+    "FIFO index": (
+        lambda p: _fifo(p, "model.safetensors.index.json"),
+        "is not a regular file",
+    ),
     "FIFO config": (lambda p: _fifo(p, "config.json"), "is not a regular file"),
-    "FIFO quant config": (lambda p: _fifo(p, "hf_quant_config.json"),
-                          "is not a regular file"),
-    "huge num_experts": (lambda p: _set_config(p, num_experts=16384),
-                         "says 16384 experts, but layer 0 of the checkpoint has "
-                         "tensors for 8"),
-    "num_experts 2**20": (lambda p: _set_config(p, num_experts=2**20),
-                          "says 1048576 experts"),
-    "wrong hidden_size": (lambda p: _set_config(p, hidden_size=4096),
-                          r"hidden_size 4096 and intermediate size 128 mean "
-                          r"\S+ has shape"),
-    "num_experts a string": (lambda p: _set_config(p, num_experts="8"),
-                             "num_experts must be a positive integer, got '8'"),
-    "num_experts negative": (lambda p: _set_config(p, num_experts=-8),
-                             "num_experts must be a positive integer"),
-    "text_config a string": (lambda p: _set_config(p, text_config="qwen"),
-                             "config.json: 'text_config' must be a JSON object, "
-                             "got str"),
-    "config a list": (lambda p: _write_raw(p, "config.json", "[1, 2]"),
-                      "config.json: expected a JSON object, got list"),
-    "weight_map a list": (lambda p: _set_index(p, {"weight_map": ["a"]}),
-                          "'weight_map' must be a JSON object, got list"),
+    "FIFO quant config": (
+        lambda p: _fifo(p, "hf_quant_config.json"),
+        "is not a regular file",
+    ),
+    "huge num_experts": (
+        lambda p: _set_config(p, num_experts=16384),
+        "says 16384 experts, but layer 0 of the checkpoint has tensors for 8",
+    ),
+    "num_experts 2**20": (
+        lambda p: _set_config(p, num_experts=2**20),
+        "says 1048576 experts",
+    ),
+    "wrong hidden_size": (
+        lambda p: _set_config(p, hidden_size=4096),
+        r"hidden_size 4096 and intermediate size 128 mean "
+        r"\S+ has shape",
+    ),
+    "num_experts a string": (
+        lambda p: _set_config(p, num_experts="8"),
+        "num_experts must be a positive integer, got '8'",
+    ),
+    "num_experts negative": (
+        lambda p: _set_config(p, num_experts=-8),
+        "num_experts must be a positive integer",
+    ),
+    "text_config a string": (
+        lambda p: _set_config(p, text_config="qwen"),
+        "config.json: 'text_config' must be a JSON object, got str",
+    ),
+    "config a list": (
+        lambda p: _write_raw(p, "config.json", "[1, 2]"),
+        "config.json: expected a JSON object, got list",
+    ),
+    "weight_map a list": (
+        lambda p: _set_index(p, {"weight_map": ["a"]}),
+        "'weight_map' must be a JSON object, got list",
+    ),
     "weight_map value a number": (
         lambda p: _set_index(p, {"weight_map": {"a": 3}}),
-        r"weight_map\['a'\] must be a file name, got 3"),
+        r"weight_map\['a'\] must be a file name, got 3",
+    ),
     "quantization a list": (
         lambda p: _write_raw(p, "hf_quant_config.json", '{"quantization": [1]}'),
-        "hf_quant_config.json: 'quantization' must be a JSON object"),
+        "hf_quant_config.json: 'quantization' must be a JSON object",
+    ),
     "duplicate key in index": (
-        lambda p: _write_raw(p, "model.safetensors.index.json",
-                             '{"weight_map": {"a": "x", "a": "y"}}'),
-        "model.safetensors.index.json: duplicate key 'a'"),
-    "tensor in two shards": (_duplicate_tensor_in_two_shards,
-                             r"experts\.0\.gate_proj\.weight is in two shards"),
-}  # fmt: skip
+        lambda p: _write_raw(
+            p, "model.safetensors.index.json", '{"weight_map": {"a": "x", "a": "y"}}'
+        ),
+        "model.safetensors.index.json: duplicate key 'a'",
+    ),
+    "tensor in two shards": (
+        _duplicate_tensor_in_two_shards,
+        r"experts\.0\.gate_proj\.weight is in two shards",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(UNTRUSTED))
@@ -574,24 +653,49 @@ def _save_with(path, name, value):
 
 EXPERT = "model.layers.0.mlp.experts.3"
 BAD_SCALES = {
-    "NaN weight_scale_2": (MODELOPT, f"{EXPERT}.up_proj.weight_scale_2",
-                           torch.tensor(float("nan")), "expert 3 is nan"),
-    "zero weight_scale_2": (MODELOPT, f"{EXPERT}.down_proj.weight_scale_2",
-                            torch.tensor(0.0), "expert 3 is 0.0"),
-    "negative input_scale": (MODELOPT, f"{EXPERT}.gate_proj.input_scale",
-                             torch.tensor(-0.5), "expert 3 is -0.5"),
-    "inf weight_scale_2": (MODELOPT, f"{EXPERT}.gate_proj.weight_scale_2",
-                           torch.tensor(float("inf")), "expert 3 is inf"),
-    "zero weight_global_scale": (COMPRESSED_TENSORS,
-                                 f"{EXPERT}.gate_proj.weight_global_scale",
-                                 torch.zeros(1), "expert 3 is inf"),
-    "NaN block scale": (MODELOPT, f"{EXPERT}.up_proj.weight_scale",
-                        torch.full((I, H // 16), 0x7F, dtype=torch.uint8).view(
-                            torch.float8_e4m3fn), "expert 3 is NaN"),
-    "negative block scale": (MODELOPT, f"{EXPERT}.down_proj.weight_scale",
-                             torch.full((H, I // 16), 0xB8, dtype=torch.uint8).view(
-                                 torch.float8_e4m3fn), "expert 3 is negative"),
-}  # fmt: skip
+    "NaN weight_scale_2": (
+        MODELOPT,
+        f"{EXPERT}.up_proj.weight_scale_2",
+        torch.tensor(float("nan")),
+        "expert 3 is nan",
+    ),
+    "zero weight_scale_2": (
+        MODELOPT,
+        f"{EXPERT}.down_proj.weight_scale_2",
+        torch.tensor(0.0),
+        "expert 3 is 0.0",
+    ),
+    "negative input_scale": (
+        MODELOPT,
+        f"{EXPERT}.gate_proj.input_scale",
+        torch.tensor(-0.5),
+        "expert 3 is -0.5",
+    ),
+    "inf weight_scale_2": (
+        MODELOPT,
+        f"{EXPERT}.gate_proj.weight_scale_2",
+        torch.tensor(float("inf")),
+        "expert 3 is inf",
+    ),
+    "zero weight_global_scale": (
+        COMPRESSED_TENSORS,
+        f"{EXPERT}.gate_proj.weight_global_scale",
+        torch.zeros(1),
+        "expert 3 is inf",
+    ),
+    "NaN block scale": (
+        MODELOPT,
+        f"{EXPERT}.up_proj.weight_scale",
+        torch.full((I, H // 16), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn),
+        "expert 3 is NaN",
+    ),
+    "negative block scale": (
+        MODELOPT,
+        f"{EXPERT}.down_proj.weight_scale",
+        torch.full((H, I // 16), 0xB8, dtype=torch.uint8).view(torch.float8_e4m3fn),
+        "expert 3 is negative",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SCALES))

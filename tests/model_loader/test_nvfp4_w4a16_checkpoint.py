@@ -30,9 +30,13 @@ W4A4, W4A16 = "w4a4", "w4a16"
 
 def qwen_config(layers=3):
     return {
-        "model_type": "qwen3_5_moe_text", "hidden_size": H, "num_hidden_layers": layers,
-        "num_experts": E, "num_experts_per_tok": TOPK, "moe_intermediate_size": I,
-    }  # fmt: skip
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": H,
+        "num_hidden_layers": layers,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": I,
+    }
 
 
 _BF16 = {idx: random_bf16_experts(E, H, I, True, seed=idx) for idx in LAYERS}
@@ -46,10 +50,15 @@ def write(path, fmt=MODELOPT, layers=LAYERS, **kwargs):
 
 def make_layer(mode=W4A4, quant_config=None):
     return FusedMoE(
-        num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
         quant_config=quant_config or ModelOptNvFp4Config.for_mode(mode),
-        moe_backend=BACKEND, device="cpu", place_w3w1_at_load=False,
-    )  # fmt: skip
+        moe_backend=BACKEND,
+        device="cpu",
+        place_w3w1_at_load=False,
+    )
 
 
 def loaded(ckpt, idx):
@@ -64,9 +73,11 @@ W4A16_WAYS = {
     "modelopt MIXED_PRECISION": (MODELOPT, {"per_layer": True}),
     "modelopt in config.json": (MODELOPT, {"quant_config_in_config_json": True}),
     "modelopt MIXED_PRECISION in config.json": (
-        MODELOPT, {"per_layer": True, "quant_config_in_config_json": True}),
+        MODELOPT,
+        {"per_layer": True, "quant_config_in_config_json": True},
+    ),
     "compressed-tensors null input_activations": (COMPRESSED_TENSORS, {}),
-}  # fmt: skip
+}
 
 
 def _quant_json(path):
@@ -119,8 +130,13 @@ def test_w4a16_checkpoints_declare_and_load_weight_only(tmp_path, way):
 def test_present_input_scale_is_ignored_in_w4a16(tmp_path, fmt):
     from safetensors.torch import load_file, save_file
 
-    path = write(tmp_path, fmt, quant_mode=W4A16, w4a16_input_scales=True,
-                 max_shard_bytes=1 << 30)  # fmt: skip
+    path = write(
+        tmp_path,
+        fmt,
+        quant_mode=W4A16,
+        w4a16_input_scales=True,
+        max_shard_bytes=1 << 30,
+    )
     suffix = "input_scale" if fmt == MODELOPT else "input_global_scale"
     shard = path / "model-00001-of-00001.safetensors"
     tensors = load_file(shard)
@@ -160,8 +176,11 @@ def test_mixed_checkpoint_gives_each_layer_its_own_mode(tmp_path, fmt):
     if fmt == MODELOPT:
         assert q["quant_algo"] == "MIXED_PRECISION"
     else:
-        modes = {g["input_activations"] is None for g in q["config_groups"].values()
-                 if g["format"] == "nvfp4-pack-quantized"}  # fmt: skip
+        modes = {
+            g["input_activations"] is None
+            for g in q["config_groups"].values()
+            if g["format"] == "nvfp4-pack-quantized"
+        }
         assert modes == {True, False}  # one W4A16 group, one W4A4 group
     ckpt = NVFP4MoECheckpoint(path)
     assert {i: ckpt.quant_mode(i) for i in LAYERS} == MIXED
@@ -173,8 +192,11 @@ def test_mixed_checkpoint_gives_each_layer_its_own_mode(tmp_path, fmt):
     assert (w4a16_layer.w13_input_scale == 1).all()
     # A layer built with the other layer's config is refused, untouched.
     wrong = make_layer(W4A4)
-    with pytest.raises(ValueError, match="layer 0's experts are w4a16, the layer "
-                       r"is built for w4a4.*quant_config\(0\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="layer 0's experts are w4a16, the layer "
+        r"is built for w4a4.*quant_config\(0\)",
+    ):
         ckpt.load_layer(wrong, 0)
     assert (wrong.w13_weight == 0).all()
     with pytest.raises(ValueError, match="layer 1's experts are w4a4"):
@@ -224,23 +246,37 @@ def _per_linear(idx, algo, experts=range(E)):
 
 MODELOPT_OK = {
     "per-linear entries": (
-        lambda p: _mixed(p, {**_per_linear(0, "W4A16_NVFP4"),
-                             **_per_linear(1, "NVFP4"),
-                             **_per_linear(2, "w4a16_nvfp4")}),
-        [W4A16, W4A4, W4A16]),
+        lambda p: _mixed(
+            p,
+            {
+                **_per_linear(0, "W4A16_NVFP4"),
+                **_per_linear(1, "NVFP4"),
+                **_per_linear(2, "w4a16_nvfp4"),
+            },
+        ),
+        [W4A16, W4A4, W4A16],
+    ),
     "module and agreeing linears": (
         lambda p: _mixed(p, {**_experts("NVFP4"), **_per_linear(1, "NVFP4")}),
-        [W4A4] * 3),
+        [W4A4] * 3,
+    ),
     "other modules with any algorithm": (
-        lambda p: _mixed(p, {**_experts(),
-                             "model.layers.0.self_attn.o_proj": {"quant_algo": "FP8"},
-                             "model.layers.1.mlp.gate": "W8A8_SOMETHING_NEW",
-                             "model.layers.9.mlp.experts": {"quant_algo": "FP8"}}),
-        [W4A16] * 3),
+        lambda p: _mixed(
+            p,
+            {
+                **_experts(),
+                "model.layers.0.self_attn.o_proj": {"quant_algo": "FP8"},
+                "model.layers.1.mlp.gate": "W8A8_SOMETHING_NEW",
+                "model.layers.9.mlp.experts": {"quant_algo": "FP8"},
+            },
+        ),
+        [W4A16] * 3,
+    ),
     "plain string entries": (
         lambda p: _mixed(p, {EXPERTS.format(i): "W4A16_NVFP4" for i in LAYERS}),
-        [W4A16] * 3),
-}  # fmt: skip
+        [W4A16] * 3,
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(MODELOPT_OK))
@@ -255,9 +291,11 @@ def test_modelopt_declarations(tmp_path, case):
 def _ct(path, groups, ignore=(), fmt="nvfp4-pack-quantized"):
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": fmt,
-        "config_groups": groups, "ignore": list(ignore),
-    }  # fmt: skip
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "config_groups": groups,
+        "ignore": list(ignore),
+    }
     (path / "config.json").write_text(json.dumps(cfg))
 
 
@@ -273,17 +311,29 @@ def _group(targets, acts=None, weights=NVFP4, fmt=None):
 CT_OK = {
     "regex beats Linear": (
         {"a": _group(["Linear"], NVFP4), "b": _group([r"re:.*layers\.1\.mlp.*"])},
-        [W4A4, W4A16, W4A4]),
+        [W4A4, W4A16, W4A4],
+    ),
     "exact name beats regex": (
-        {"a": _group([r"re:.*experts.*"], NVFP4),
-         "b": _group([f"{EXPERTS.format(2)}.{e}.{p}" for e in range(E)
-                      for p in ("gate_proj", "up_proj", "down_proj")])},
-        [W4A4, W4A4, W4A16]),
+        {
+            "a": _group([r"re:.*experts.*"], NVFP4),
+            "b": _group(
+                [
+                    f"{EXPERTS.format(2)}.{e}.{p}"
+                    for e in range(E)
+                    for p in ("gate_proj", "up_proj", "down_proj")
+                ]
+            ),
+        },
+        [W4A4, W4A4, W4A16],
+    ),
     "FP8 group for attention": (
-        {"a": _group(["Linear"]),
-         "f": _group([r"re:.*self_attn.*"], FP8, FP8, "float-quantized")},
-        [W4A16] * 3),
-}  # fmt: skip
+        {
+            "a": _group(["Linear"]),
+            "f": _group([r"re:.*self_attn.*"], FP8, FP8, "float-quantized"),
+        },
+        [W4A16] * 3,
+    ),
+}
 
 
 @pytest.mark.parametrize("case", sorted(CT_OK))
@@ -346,94 +396,203 @@ def test_compressed_tensors_targets_match_as_compressed_tensors_does(case):
 HF, CFG = "hf_quant_config.json", "config.json"
 # case -> (format, mutation, file named, message)
 BAD_DECLARATIONS = {
-    "unknown top-level algorithm": (MODELOPT, lambda p: _modelopt(
-        p, {"quant_algo": "W4A8_NVFP4"}), HF,
-        r"unsupported ModelOpt quant_algo 'W4A8_NVFP4' at quantization\.quant_algo"),
-    "algorithm not a string": (MODELOPT, lambda p: _modelopt(p, {"quant_algo": 4}),
-                               HF, r"quantization\.quant_algo must be an algorithm"),
-    "group size 32": (MODELOPT, lambda p: _modelopt(
-        p, {"quant_algo": "W4A16_NVFP4", "group_size": 32}), HF,
-        r"quantization\.group_size is 32"),
-    "quantized_layers without MIXED_PRECISION": (MODELOPT, lambda p: _modelopt(
-        p, {"quant_algo": "NVFP4", "quantized_layers": _experts()}), HF,
+    "unknown top-level algorithm": (
+        MODELOPT,
+        lambda p: _modelopt(p, {"quant_algo": "W4A8_NVFP4"}),
+        HF,
+        r"unsupported ModelOpt quant_algo 'W4A8_NVFP4' at quantization\.quant_algo",
+    ),
+    "algorithm not a string": (
+        MODELOPT,
+        lambda p: _modelopt(p, {"quant_algo": 4}),
+        HF,
+        r"quantization\.quant_algo must be an algorithm",
+    ),
+    "group size 32": (
+        MODELOPT,
+        lambda p: _modelopt(p, {"quant_algo": "W4A16_NVFP4", "group_size": 32}),
+        HF,
+        r"quantization\.group_size is 32",
+    ),
+    "quantized_layers without MIXED_PRECISION": (
+        MODELOPT,
+        lambda p: _modelopt(p, {"quant_algo": "NVFP4", "quantized_layers": _experts()}),
+        HF,
         r"quantization\.quantized_layers is given but quantization\.quant_algo is "
-        "'NVFP4'"),
-    "MIXED_PRECISION without quantized_layers": (MODELOPT, lambda p: _modelopt(
-        p, {"quant_algo": "MIXED_PRECISION"}), HF,
-        r"needs quantization\.quantized_layers"),
-    "quantized_layers a list": (MODELOPT, lambda p: _modelopt(
-        p, {"quant_algo": "MIXED_PRECISION", "quantized_layers": ["x"]}), HF,
-        r"needs quantization\.quantized_layers.*got list"),
-    "layer not declared": (MODELOPT, lambda p: _mixed(p, {
-        EXPERTS.format(0): {"quant_algo": "W4A16_NVFP4"},
-        "model.layers.1.self_attn.q_proj": {"quant_algo": "FP8"},
-        EXPERTS.format(2): {"quant_algo": "W4A16_NVFP4"}}), HF,
-        r"quantized_layers has no entry for model\.layers\.1\.mlp\.experts"),
-    "experts FP8": (MODELOPT, lambda p: _mixed(p, _experts("FP8")), HF,
-                    r"unsupported ModelOpt quant_algo 'FP8' at "
-                    r"quantization\.quantized_layers\['model\.layers\.0\.mlp\."
-                    r"experts'\]\.quant_algo for routed experts"),
-    "experts entry group size": (MODELOPT, lambda p: _mixed(
-        p, _experts(group_size=128)), HF,
-        r"quantized_layers\['model\.layers\.0\.mlp\.experts'\]\.group_size is 128"),
-    "module and linear contradict": (MODELOPT, lambda p: _mixed(
-        p, {**_experts(), **_per_linear(1, "NVFP4", [3])}), HF,
+        "'NVFP4'",
+    ),
+    "MIXED_PRECISION without quantized_layers": (
+        MODELOPT,
+        lambda p: _modelopt(p, {"quant_algo": "MIXED_PRECISION"}),
+        HF,
+        r"needs quantization\.quantized_layers",
+    ),
+    "quantized_layers a list": (
+        MODELOPT,
+        lambda p: _modelopt(
+            p, {"quant_algo": "MIXED_PRECISION", "quantized_layers": ["x"]}
+        ),
+        HF,
+        r"needs quantization\.quantized_layers.*got list",
+    ),
+    "layer not declared": (
+        MODELOPT,
+        lambda p: _mixed(
+            p,
+            {
+                EXPERTS.format(0): {"quant_algo": "W4A16_NVFP4"},
+                "model.layers.1.self_attn.q_proj": {"quant_algo": "FP8"},
+                EXPERTS.format(2): {"quant_algo": "W4A16_NVFP4"},
+            },
+        ),
+        HF,
+        r"quantized_layers has no entry for model\.layers\.1\.mlp\.experts",
+    ),
+    "experts FP8": (
+        MODELOPT,
+        lambda p: _mixed(p, _experts("FP8")),
+        HF,
+        r"unsupported ModelOpt quant_algo 'FP8' at "
+        r"quantization\.quantized_layers\['model\.layers\.0\.mlp\."
+        r"experts'\]\.quant_algo for routed experts",
+    ),
+    "experts entry group size": (
+        MODELOPT,
+        lambda p: _mixed(p, _experts(group_size=128)),
+        HF,
+        r"quantized_layers\['model\.layers\.0\.mlp\.experts'\]\.group_size is 128",
+    ),
+    "module and linear contradict": (
+        MODELOPT,
+        lambda p: _mixed(p, {**_experts(), **_per_linear(1, "NVFP4", [3])}),
+        HF,
         r"contradicts itself for model\.layers\.1\.mlp\.experts: "
         r"'model\.layers\.1\.mlp\.experts' is w4a16, "
-        r"'model\.layers\.1\.mlp\.experts\.3\.down_proj' is w4a4"),
-    "linears contradict": (MODELOPT, lambda p: _mixed(
-        p, {**_experts(), **{k: v for k, v in _per_linear(0, "NVFP4").items()
-                             if "experts.0." not in k},
-            **_per_linear(0, "W4A16_NVFP4", [0])}), HF, "contradicts itself"),
-    "some linears undeclared": (MODELOPT, lambda p: _mixed(
-        p, {**{k: v for k, v in _experts().items() if "layers.2" not in k},
-            **_per_linear(2, "W4A16_NVFP4", range(E - 1))}), HF,
-        r"model\.layers\.2\.mlp\.experts\.7\.down_proj \(3 missing\)"),
-    "modelopt in config.json, unknown": (MODELOPT, lambda p: _ct_like_modelopt(
-        p, {"quant_algo": "INT4_AWQ"}), CFG,
-        r"'INT4_AWQ' at quantization_config\.quant_algo"),
-    "modelopt in config.json, nested mixed": (MODELOPT, lambda p: _ct_like_modelopt(
-        p, {"quantization": {"quant_algo": "MIXED_PRECISION",
-                             "quantized_layers": {}}}), CFG,
-        r"needs quantization_config\.quantization\.quantized_layers"),
-    "ct activations 8-bit": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"g": _group(["Linear"], FP8)}), CFG,
-        r"quantization_config\.config_groups\['g'\]\.input_activations is"),
-    "ct no input_activations key": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"g": {"targets": ["Linear"], "weights": NVFP4}}), CFG,
-        r"config_groups\['g'\] has no input_activations"),
-    "ct weights not NVFP4": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"g": _group(["Linear"], None, {**NVFP4, "group_size": 32})}), CFG,
-        r"config_groups\['g'\]\.weights is .*needs num_bits 4"),
-    "ct two groups, same rank": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group(["Linear"]), "b": _group(["Linear"], NVFP4)}), CFG,
-        r"'a' and 'b' both target model\.layers\.0\.mlp\.experts\.0\.down_proj"),
-    "ct experts ignored": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group(["Linear"])}, ignore=[r"re:.*layers\.2\..*"]), CFG,
+        r"'model\.layers\.1\.mlp\.experts\.3\.down_proj' is w4a4",
+    ),
+    "linears contradict": (
+        MODELOPT,
+        lambda p: _mixed(
+            p,
+            {
+                **_experts(),
+                **{
+                    k: v
+                    for k, v in _per_linear(0, "NVFP4").items()
+                    if "experts.0." not in k
+                },
+                **_per_linear(0, "W4A16_NVFP4", [0]),
+            },
+        ),
+        HF,
+        "contradicts itself",
+    ),
+    "some linears undeclared": (
+        MODELOPT,
+        lambda p: _mixed(
+            p,
+            {
+                **{k: v for k, v in _experts().items() if "layers.2" not in k},
+                **_per_linear(2, "W4A16_NVFP4", range(E - 1)),
+            },
+        ),
+        HF,
+        r"model\.layers\.2\.mlp\.experts\.7\.down_proj \(3 missing\)",
+    ),
+    "modelopt in config.json, unknown": (
+        MODELOPT,
+        lambda p: _ct_like_modelopt(p, {"quant_algo": "INT4_AWQ"}),
+        CFG,
+        r"'INT4_AWQ' at quantization_config\.quant_algo",
+    ),
+    "modelopt in config.json, nested mixed": (
+        MODELOPT,
+        lambda p: _ct_like_modelopt(
+            p,
+            {"quantization": {"quant_algo": "MIXED_PRECISION", "quantized_layers": {}}},
+        ),
+        CFG,
+        r"needs quantization_config\.quantization\.quantized_layers",
+    ),
+    "ct activations 8-bit": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"g": _group(["Linear"], FP8)}),
+        CFG,
+        r"quantization_config\.config_groups\['g'\]\.input_activations is",
+    ),
+    "ct no input_activations key": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"g": {"targets": ["Linear"], "weights": NVFP4}}),
+        CFG,
+        r"config_groups\['g'\] has no input_activations",
+    ),
+    "ct weights not NVFP4": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"g": _group(["Linear"], None, {**NVFP4, "group_size": 32})}),
+        CFG,
+        r"config_groups\['g'\]\.weights is .*needs num_bits 4",
+    ),
+    "ct two groups, same rank": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"a": _group(["Linear"]), "b": _group(["Linear"], NVFP4)}),
+        CFG,
+        r"'a' and 'b' both target model\.layers\.0\.mlp\.experts\.0\.down_proj",
+    ),
+    "ct experts ignored": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"a": _group(["Linear"])}, ignore=[r"re:.*layers\.2\..*"]),
+        CFG,
         r"quantization_config\.ignore entry '.*' excludes the expert linear "
-        r"model\.layers\.2"),
-    "ct experts not targeted": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group([r"re:.*self_attn.*"])}), CFG,
+        r"model\.layers\.2",
+    ),
+    "ct experts not targeted": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"a": _group([r"re:.*self_attn.*"])}),
+        CFG,
         r"no target of quantization_config\.config_groups matches the expert "
-        r"linear model\.layers\.0"),
-    "ct experts in an FP8 group": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group([r"re:.*self_attn.*"], fmt="nvfp4-pack-quantized"),
-            "f": _group([r"re:.*experts.*"], FP8, FP8, "float-quantized")},
-        fmt="mixed-precision"), CFG,
+        r"linear model\.layers\.0",
+    ),
+    "ct experts in an FP8 group": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(
+            p,
+            {
+                "a": _group([r"re:.*self_attn.*"], fmt="nvfp4-pack-quantized"),
+                "f": _group([r"re:.*experts.*"], FP8, FP8, "float-quantized"),
+            },
+            fmt="mixed-precision",
+        ),
+        CFG,
         r"config_groups\['f'\] targets the expert linear .* but is not "
-        "'nvfp4-pack-quantized'"),
-    "ct no NVFP4 group": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"f": _group(["Linear"], FP8, FP8)}, fmt="float-quantized"), CFG,
-        r"no group of quantization_config\.config_groups is 'nvfp4-pack-quantized'"),
-    "ct bad pattern": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group(["re:(("])}), CFG, r"targets: bad pattern 're:\(\('"),
-    "ct targets not a list": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group("Linear")}), CFG,
-        r"config_groups\['a'\]\.targets must be a list of strings"),
-    "ct layer split across modes": (COMPRESSED_TENSORS, lambda p: _ct(
-        p, {"a": _group(["Linear"]), "b": _group([r"re:.*down_proj"], NVFP4)}), CFG,
-        r"gives model\.layers\.0\.mlp\.experts's expert linears different modes"),
-}  # fmt: skip
+        "'nvfp4-pack-quantized'",
+    ),
+    "ct no NVFP4 group": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"f": _group(["Linear"], FP8, FP8)}, fmt="float-quantized"),
+        CFG,
+        r"no group of quantization_config\.config_groups is 'nvfp4-pack-quantized'",
+    ),
+    "ct bad pattern": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"a": _group(["re:(("])}),
+        CFG,
+        r"targets: bad pattern 're:\(\('",
+    ),
+    "ct targets not a list": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(p, {"a": _group("Linear")}),
+        CFG,
+        r"config_groups\['a'\]\.targets must be a list of strings",
+    ),
+    "ct layer split across modes": (
+        COMPRESSED_TENSORS,
+        lambda p: _ct(
+            p, {"a": _group(["Linear"]), "b": _group([r"re:.*down_proj"], NVFP4)}
+        ),
+        CFG,
+        r"gives model\.layers\.0\.mlp\.experts's expert linears different modes",
+    ),
+}
 
 
 def _ct_like_modelopt(path, qc):
@@ -466,9 +625,23 @@ def test_writer_refuses_bad_modes(tmp_path):
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
 @pytest.mark.parametrize("quant", [W4A16, "mixed"])
 def test_writer_cli(tmp_path, capsys, fmt, quant):
-    args = [str(tmp_path), "--format", fmt, "--quant", quant, "--num-layers", "3",
-            "--num-experts", "4", "--top-k", "2", "--hidden-size", "128",
-            "--intermediate-size", "64"]  # fmt: skip
+    args = [
+        str(tmp_path),
+        "--format",
+        fmt,
+        "--quant",
+        quant,
+        "--num-layers",
+        "3",
+        "--num-experts",
+        "4",
+        "--top-k",
+        "2",
+        "--hidden-size",
+        "128",
+        "--intermediate-size",
+        "64",
+    ]
     writer.main(args)
     assert f"({fmt}, {quant})" in capsys.readouterr().out
     ckpt = NVFP4MoECheckpoint(tmp_path)
@@ -480,9 +653,24 @@ def test_writer_cli(tmp_path, capsys, fmt, quant):
 
 
 def test_writer_cli_per_layer_and_bad_quant(tmp_path, capsys):
-    writer.main([str(tmp_path), "--quant", W4A16, "--per-layer", "--num-layers", "1",
-                 "--num-experts", "4", "--top-k", "2", "--hidden-size", "128",
-                 "--intermediate-size", "64"])  # fmt: skip
+    writer.main(
+        [
+            str(tmp_path),
+            "--quant",
+            W4A16,
+            "--per-layer",
+            "--num-layers",
+            "1",
+            "--num-experts",
+            "4",
+            "--top-k",
+            "2",
+            "--hidden-size",
+            "128",
+            "--intermediate-size",
+            "64",
+        ]
+    )
     q = _quant_json(tmp_path)
     assert q["quant_algo"] == "MIXED_PRECISION"
     assert q["quantized_layers"][EXPERTS.format(0)]["quant_algo"] == "W4A16_NVFP4"

@@ -64,23 +64,42 @@ def _inputs():
 
 
 def _write(path, fmt, gated, quant_mode, **kwargs):
-    cfg = {"hidden_size": H, "num_experts": E, "num_experts_per_tok": TOPK,
-           "moe_intermediate_size": I, "num_hidden_layers": 2}  # fmt: skip
+    cfg = {
+        "hidden_size": H,
+        "num_experts": E,
+        "num_experts_per_tok": TOPK,
+        "moe_intermediate_size": I,
+        "num_hidden_layers": 2,
+    }
     layers = {i: _experts(gated, seed=10 + i) for i in (0, 1)}
     block, prefix = ("mlp", "model.layers") if gated else ("mixer", "backbone.layers")
-    write_nvfp4_moe_checkpoint(path, layers, cfg, fmt=fmt, gated=gated, block=block,
-                               prefix=prefix, quant_mode=quant_mode,
-                               shared_w13_global_scale=True, **kwargs)  # fmt: skip
+    write_nvfp4_moe_checkpoint(
+        path,
+        layers,
+        cfg,
+        fmt=fmt,
+        gated=gated,
+        block=block,
+        prefix=prefix,
+        quant_mode=quant_mode,
+        shared_w13_global_scale=True,
+        **kwargs,
+    )
     return NVFP4MoECheckpoint(path)
 
 
 def _prepared(ckpt, idx, gated, **kwargs):
     layer = FusedMoE(
-        num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
         activation="silu" if gated else "relu2",
-        quant_config=ckpt.quant_config(idx), moe_backend=BACKEND, device="cpu",
+        quant_config=ckpt.quant_config(idx),
+        moe_backend=BACKEND,
+        device="cpu",
         **kwargs,
-    )  # fmt: skip
+    )
     ckpt.load_layer(layer, idx)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
@@ -147,9 +166,15 @@ def test_w4a4_checkpoint_prepares_as_before(tmp_path, fmt):
     ckpt = _write(tmp_path, fmt, True, "w4a4")
     assert ckpt.quant_config(0).quant_mode == "w4a4"
     a = _prepared(ckpt, 0, True)
-    b = FusedMoE(num_experts=E, top_k=TOPK, hidden_size=H, intermediate_size=I,
-                 quant_config=ModelOptNvFp4Config.for_mode(), moe_backend=BACKEND,
-                 device="cpu")  # fmt: skip
+    b = FusedMoE(
+        num_experts=E,
+        top_k=TOPK,
+        hidden_size=H,
+        intermediate_size=I,
+        quant_config=ModelOptNvFp4Config.for_mode(),
+        moe_backend=BACKEND,
+        device="cpu",
+    )
     for name, e, proj, suffix, t in ckpt.iter_layer_tensors(0):
         shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
         param = getattr(b, f"{'w2' if shard == 'w2' else 'w13'}_{suffix}")

@@ -626,10 +626,20 @@ def test_the_result_imports_and_runs(built, tmp_path):
 def test_pip_installs_the_wheel(built, tmp_path):
     target = tmp_path / "site"
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
-         "--target", str(target), str(built.wheel)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(target),
+            str(built.wheel),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     assert (target / NEW_DIST_INFO / "METADATA").read_text() == EXPECTED_METADATA
     assert not (target / DIST_INFO).exists()

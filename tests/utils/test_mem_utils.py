@@ -120,8 +120,13 @@ def test_frees_are_matched_to_the_blocks_own_allocations():
     # the size it was allocated with.
     from vllm.utils.mem_utils import _own_allocation_levels
 
-    events = [(1, MIB, 0xA), (2, -16 * MIB, 0xDEAD), (3, 4 * MIB, 0xB),
-              (4, -MIB, 0xA), (5, -4 * MIB, 0xB)]  # fmt: skip
+    events = [
+        (1, MIB, 0xA),
+        (2, -16 * MIB, 0xDEAD),
+        (3, 4 * MIB, 0xB),
+        (4, -MIB, 0xA),
+        (5, -4 * MIB, 0xB),
+    ]
     assert _own_allocation_levels(events) == [
         (1, MIB),
         (3, 5 * MIB),

@@ -47,8 +47,19 @@ class WorkerError(RuntimeError):
         self.rank, self.message, self.details = rank, message, details
 
 
-def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args,
-            conn, parent_pid, lifeline):  # fmt: skip
+def _worker(
+    fn,
+    rank,
+    world_size,
+    tp_size,
+    init_method,
+    backend,
+    timeout_s,
+    args,
+    conn,
+    parent_pid,
+    lifeline,
+):
     # Runs in the child process.
     die_with_parent(parent_pid, lifeline)
     import datetime
@@ -58,9 +69,12 @@ def _worker(fn, rank, world_size, tp_size, init_method, backend, timeout_s, args
     reported = False
     try:
         ps.init_distributed_environment(
-            world_size=world_size, rank=rank, distributed_init_method=init_method,
-            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-        )  # fmt: skip
+            world_size=world_size,
+            rank=rank,
+            distributed_init_method=init_method,
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         ps.initialize_model_parallel(tp_size)
         # The run's deadline starts here, not at the spawn: starting a
         # process and importing torch take seconds on a loaded machine.
@@ -152,7 +166,7 @@ def spawn_workers(
                     lifeline,
                 ),
                 daemon=True,
-            )  # fmt: skip
+            )
             for rank in range(world_size)
         ]
         # Ctrl-C is the parent's: it stops the workers in the finally below.

@@ -127,8 +127,13 @@ def init_distributed_environment(
     backend = backend or backend_for_device(device)
     if not dist.is_initialized():
         kwargs = {} if timeout is None else {"timeout": timeout}
-        dist.init_process_group(backend, init_method=distributed_init_method,
-                                world_size=world_size, rank=rank, **kwargs)  # fmt: skip
+        dist.init_process_group(
+            backend,
+            init_method=distributed_init_method,
+            world_size=world_size,
+            rank=rank,
+            **kwargs,
+        )
     backend = dist.get_backend()
     if backend == "nccl":
         torch.cuda.set_device(local_rank if local_rank != -1 else dist.get_rank())
@@ -208,14 +213,18 @@ def check_ranks_agree(what: str, values: dict[str, int]) -> None:
     for i, key in enumerate(keys):
         column = [row[i] for row in rows]
         if key.startswith("rank:"):
-            pairs = [tuple(row[j] for j, k in enumerate(keys) if k.startswith("rank:"))
-                     for row in rows]  # fmt: skip
+            pairs = [
+                tuple(row[j] for j, k in enumerate(keys) if k.startswith("rank:"))
+                for row in rows
+            ]
             if len(set(pairs)) != len(pairs) and key == min(
                 k for k in keys if k.startswith("rank:")
             ):
                 names = [k[5:] for k in keys if k.startswith("rank:")]
-                problems.append(f"two ranks hold the same shard ({'/'.join(names)}: "
-                                f"{_by_rank(pairs)})")  # fmt: skip
+                problems.append(
+                    f"two ranks hold the same shard ({'/'.join(names)}: "
+                    f"{_by_rank(pairs)})"
+                )
         elif len(set(column)) != 1:
             problems.append(f"{key}: {_by_rank(column)}")
     if problems:

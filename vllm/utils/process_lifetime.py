@@ -115,9 +115,11 @@ def removed_even_if_killed(path: str | os.PathLike) -> Iterator[str]:
     try:
         reaper = subprocess.Popen(
             [sys.executable, "-S", "-c", _REAPER, path],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise

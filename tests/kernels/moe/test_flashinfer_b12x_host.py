@@ -72,11 +72,15 @@ def fi_host(monkeypatch):
 
     launches = _Launches()
     props = types.SimpleNamespace(
-        multi_processor_count=48, major=12, minor=0, name="sm120 stand-in",
+        multi_processor_count=48,
+        major=12,
+        minor=0,
+        name="sm120 stand-in",
         total_memory=16 << 30,
-    )  # fmt: skip
-    monkeypatch.setattr(cpp_ext, "get_cuda_version", lambda: types.SimpleNamespace(
-        major=13, minor=0))  # fmt: skip
+    )
+    monkeypatch.setattr(
+        cpp_ext, "get_cuda_version", lambda: types.SimpleNamespace(major=13, minor=0)
+    )
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a, **k: props)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     compiled = launches.stub("launch", None)
@@ -86,8 +90,9 @@ def fi_host(monkeypatch):
     monkeypatch.setattr(md, "_get_direct_micro_kernel", direct)
     monkeypatch.setattr(md.MoEDirectMicroKernel, "launch", staticmethod(compiled))
     # The real backend's device gate (SM12x) is the only thing not run here.
-    monkeypatch.setattr(FlashInferB12xExperts, "_supports_current_device",
-                        staticmethod(lambda: True))  # fmt: skip
+    monkeypatch.setattr(
+        FlashInferB12xExperts, "_supports_current_device", staticmethod(lambda: True)
+    )
     md.clear_sm120_moe_caches()
     yield md, launches
     md.clear_sm120_moe_caches()
@@ -107,9 +112,17 @@ def _layer(mode="alpha", ratios=(1.0, 1.0), max_num_tokens=MAX_TOKENS, **kwargs)
     w1[1::2, I:] *= ratios[1]  # odd experts: up scaled, so s_up != s_gate
     w1[0::2, I:] *= ratios[0]
     tensors = quantize_experts_modelopt(w1, w2, gated=True, shared_w13_scale=False)
-    layer = make_nvfp4_layer(E, TOPK, H, I, True, "flashinfer_b12x",
-                             max_num_tokens=max_num_tokens,
-                             global_scale_mode=mode, **kwargs)  # fmt: skip
+    layer = make_nvfp4_layer(
+        E,
+        TOPK,
+        H,
+        I,
+        True,
+        "flashinfer_b12x",
+        max_num_tokens=max_num_tokens,
+        global_scale_mode=mode,
+        **kwargs,
+    )
     load_nvfp4_experts(layer, tensors)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
@@ -152,8 +165,12 @@ def test_this_trees_call_binds_flashinfers_signature(fi_host, monkeypatch):
     assert torch.equal(kernel.fc2_input_scale, torch.ones(E))
     # The wrapper was built for this layer's geometry, W4A4.
     wrapper = experts._wrapper
-    assert (wrapper.num_experts, wrapper.top_k, wrapper.hidden_size,
-            wrapper.intermediate_size) == (E, TOPK, H, I)  # fmt: skip
+    assert (
+        wrapper.num_experts,
+        wrapper.top_k,
+        wrapper.hidden_size,
+        wrapper.intermediate_size,
+    ) == (E, TOPK, H, I)
     assert wrapper.quant_mode == "nvfp4" and wrapper.activation == "silu"
 
 
@@ -201,11 +218,20 @@ def test_functional_call_grows_the_weight_cache(fi_host):
     sizes = []
     for _ in range(5):
         b12x_fused_moe(
-            x, layer.w13_weight, experts.w1_sf_mma, layer.w2_weight, experts.w2_sf_mma,
-            ids.int(), weights, E, TOPK, w1_alpha=kernel.w1_alpha,
-            w2_alpha=kernel.w2_alpha, fc2_input_scale=kernel.fc2_input_scale,
+            x,
+            layer.w13_weight,
+            experts.w1_sf_mma,
+            layer.w2_weight,
+            experts.w2_sf_mma,
+            ids.int(),
+            weights,
+            E,
+            TOPK,
+            w1_alpha=kernel.w1_alpha,
+            w2_alpha=kernel.w2_alpha,
+            fc2_input_scale=kernel.fc2_input_scale,
             input_global_scale=kernel.fc1_input_scale,
-        )  # fmt: skip
+        )
         sizes.append(_cache_sizes(md)["_WEIGHT_CACHE"])
     assert sizes == sorted(sizes) and sizes[-1] >= sizes[0] + 4, sizes
 
@@ -217,12 +243,15 @@ def test_weight_views_reuse_this_trees_scale_storage(fi_host):
     views = experts._wrapper._weight_views
     # FlashInfer's contiguous scale operands are this tree's swizzled scale
     # parameters themselves (the MMA-layout view converted back: no copy).
-    for got, param in ((views._w13_sf_storage, layer.w13_weight_scale),
-                       (views._down_sf_storage, layer.w2_weight_scale)):  # fmt: skip
+    for got, param in (
+        (views._w13_sf_storage, layer.w13_weight_scale),
+        (views._down_sf_storage, layer.w2_weight_scale),
+    ):
         assert got.data_ptr() == param.data_ptr()
         assert got.untyped_storage().data_ptr() == param.untyped_storage().data_ptr()
-        assert torch.equal(got.reshape(-1).view(torch.uint8),
-                           param.reshape(-1).view(torch.uint8))  # fmt: skip
+        assert torch.equal(
+            got.reshape(-1).view(torch.uint8), param.reshape(-1).view(torch.uint8)
+        )
     # The alphas FlashInfer multiplies by: the gate's scale, and w2's with
     # the up/gate ratio (1.37 and 0.6 here).
     kernel = experts.prepared

@@ -42,8 +42,21 @@ BACKEND = "flashinfer_b12x_emulated"
 # (ModelOpt weight_scale_2 ~ 1e-5..1e-4 for expert weight std 0.005-0.05),
 # ratios below 1 (the alpha mode's differing halves), non-powers of two
 # whose products round (ties included: 1.5 * 0x09 = 1.5 * 2^-9 * 9/8 ...).
-FACTORS = [2.0**-40, 2.0**-20, 3.7e-5, 1.1e-4, 0.0053, 0.3, 0.7, 1.0, 1.5,
-           3.3, 7.0, 2.0**10, 2.0**20]  # fmt: skip
+FACTORS = [
+    2.0**-40,
+    2.0**-20,
+    3.7e-5,
+    1.1e-4,
+    0.0053,
+    0.3,
+    0.7,
+    1.0,
+    1.5,
+    3.3,
+    7.0,
+    2.0**10,
+    2.0**20,
+]
 
 
 def test_fold_table_is_bit_identical_to_the_formula_on_all_256_codes():
@@ -113,8 +126,9 @@ def test_swizzle_in_place_in_chunks_spanning_experts(shape, offset):
         scale.copy_(src)
         scale = scale.view(torch.float8_e4m3fn)
         with measure_peak_memory("cpu") as mem:
-            out = swizzle_blockscale_bounded(scale, max_transient_bytes=cap,
-                                             storage_has_room=True)  # fmt: skip
+            out = swizzle_blockscale_bounded(
+                scale, max_transient_bytes=cap, storage_has_room=True
+            )
         assert mem.peak_bytes <= cap
         assert out.data_ptr() == scale.data_ptr()
         assert torch.equal(bytes_of(out), want), f"cap {cap}"
@@ -139,8 +153,22 @@ def test_swizzle_into_a_new_result_in_chunks_spanning_experts(shape):
 # --- operations: O(bytes / tile), not O(experts x groups) ------------------------
 
 # Torch calls that read or write tensor data (views and slicing are free).
-DATA_OPS = {"copy_", "zero_", "index_select", "add_", "mul", "clamp_", "aminmax",
-            "any", "fill_", "amax", "div", "ne", "__truediv__", "__ne__"}  # fmt: skip
+DATA_OPS = {
+    "copy_",
+    "zero_",
+    "index_select",
+    "add_",
+    "mul",
+    "clamp_",
+    "aminmax",
+    "any",
+    "fill_",
+    "amax",
+    "div",
+    "ne",
+    "__truediv__",
+    "__ne__",
+}
 
 
 class CountDataOps(TorchFunctionMode):

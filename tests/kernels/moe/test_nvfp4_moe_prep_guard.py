@@ -136,13 +136,15 @@ def test_prepared_state_dict_loads_only_into_a_prepared_layer(quant_mode):
     assert sd["_extra_state"]["status"] == "prepared"
     fresh = _layer(shape, _tensors(*shape, seed=2), quant_mode=quant_mode)
     before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
-    with pytest.raises(RuntimeError, match="prepared state dict loads only into a "
-                       "prepared layer"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError, match="prepared state dict loads only into a prepared layer"
+    ):
         fresh.load_state_dict(sd)
     for n, p in fresh.named_parameters():  # nothing written
-        assert torch.equal(p.view(torch.uint8) if p.dtype.itemsize == 1 else p,
-                           before[n].view(torch.uint8) if p.dtype.itemsize == 1
-                           else before[n]), n  # fmt: skip
+        assert torch.equal(
+            p.view(torch.uint8) if p.dtype.itemsize == 1 else p,
+            before[n].view(torch.uint8) if p.dtype.itemsize == 1 else before[n],
+        ), n
     # Into a prepared layer: the same bytes, views and forward.
     _prepare(fresh)
     fresh.load_state_dict(sd)
@@ -265,9 +267,14 @@ class _VllmStyleLoader:
         self.i = layer.moe_config.intermediate_size_per_partition
 
     def __call__(
-        self, param, loaded_weight, weight_name, shard_id, expert_id,
+        self,
+        param,
+        loaded_weight,
+        weight_name,
+        shard_id,
+        expert_id,
         return_success=False,
-    ):  # fmt: skip
+    ):
         dst = param.data[expert_id]
         if weight_name.startswith("w13_"):
             g = 0 if shard_id == "w1" else 1
@@ -391,8 +398,11 @@ def test_partial_reload_with_differing_gate_up_scales_is_exact(mode):
     for shard, rows in (("w1", slice(0, i)), ("w3", slice(i, 2 * i))):
         for name in ("w13_weight", "w13_weight_scale"):
             layer.weight_loader(params[name], new[name][1, rows], name, shard, 1)
-    want = _fresh(shape, _mixed(old, new, [1], ["w13_weight", "w13_weight_scale"]),
-                  global_scale_mode=mode)  # fmt: skip
+    want = _fresh(
+        shape,
+        _mixed(old, new, [1], ["w13_weight", "w13_weight_scale"]),
+        global_scale_mode=mode,
+    )
     _assert_same(_snapshot(_prepare(layer)), _snapshot(want))
 
 
@@ -618,8 +628,13 @@ def test_failure_before_any_write_keeps_the_prepared_layer():
     old = _tensors(*shape, seed=1)
     layer = _fresh(shape, old)
     with pytest.raises(ValueError, match="finite and positive"):
-        layer.weight_loader(layer.w2_weight_scale_2, torch.tensor(float("nan")),
-                            "w2.weight_scale_2", "w2", 0)  # fmt: skip
+        layer.weight_loader(
+            layer.w2_weight_scale_2,
+            torch.tensor(float("nan")),
+            "w2.weight_scale_2",
+            "w2",
+            0,
+        )
     assert layer.weight_prep_state.status is PrepStatus.PREPARED
     _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old)))
 
@@ -695,8 +710,9 @@ def test_partial_reload_at_every_shape(shape):
     last = shape[0] - 1
     layer = _fresh(shape, old)
     _load_through_loader(layer, new, experts=[last])
-    _assert_same(_snapshot(_prepare(layer)),
-                 _snapshot(_fresh(shape, _mixed(old, new, [last]))))  # fmt: skip
+    _assert_same(
+        _snapshot(_prepare(layer)), _snapshot(_fresh(shape, _mixed(old, new, [last])))
+    )
 
 
 def test_scale_replaced_without_recorded_room_then_prepared():

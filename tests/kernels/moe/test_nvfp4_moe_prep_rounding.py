@@ -69,16 +69,24 @@ def test_fold_keeps_its_cap_under_rounding(cap, factors):
     scale, scale_2 = _scales(), (torch.rand(E, 2) + 0.5).to(factors)
     if cap == "min":
         cap = blockscale_fold._fold_min_cap(2 * E)
-    _assert_within("fold", cap, lambda: fold_global_scale_into_blockscale_(
-        scale, scale_2, max_transient_bytes=cap))  # fmt: skip
+    _assert_within(
+        "fold",
+        cap,
+        lambda: fold_global_scale_into_blockscale_(
+            scale, scale_2, max_transient_bytes=cap
+        ),
+    )
 
 
 @pytest.mark.parametrize("cap", CAPS + [1000], ids=str)
 def test_reorder_keeps_its_cap_under_rounding(cap):
     w = random_bits((E, R, 96), torch.uint8, "cpu", 1)
     s = _scales(seed=2)
-    _assert_within("reorder", cap, lambda: reorder_w1w3_to_w3w1(
-        w, s, dim=-2, max_transient_bytes=cap))  # fmt: skip
+    _assert_within(
+        "reorder",
+        cap,
+        lambda: reorder_w1w3_to_w3w1(w, s, dim=-2, max_transient_bytes=cap),
+    )
 
 
 @pytest.mark.parametrize("cap", CAPS + [2048 + 100], ids=str)
@@ -102,11 +110,21 @@ def test_swizzle_and_unswizzle_keep_their_cap_under_rounding(cap):
         8, 0x77
     )
     out = {}
-    _assert_within("swizzle", cap, lambda: out.setdefault(
-        "s", swizzle_blockscale_bounded(s, max_transient_bytes=cap,
-                                            storage_has_room=True)))  # fmt: skip
-    _assert_within("unswizzle", cap, lambda: unswizzle_blockscale_bounded_(
-        out["s"], r, c, max_transient_bytes=cap))  # fmt: skip
+    _assert_within(
+        "swizzle",
+        cap,
+        lambda: out.setdefault(
+            "s",
+            swizzle_blockscale_bounded(
+                s, max_transient_bytes=cap, storage_has_room=True
+            ),
+        ),
+    )
+    _assert_within(
+        "unswizzle",
+        cap,
+        lambda: unswizzle_blockscale_bounded_(out["s"], r, c, max_transient_bytes=cap),
+    )
 
 
 @pytest.mark.parametrize("mode", ["alpha", "fold"])
@@ -116,16 +134,23 @@ def test_every_preparation_step_keeps_its_cap_under_rounding(cap, mode):
     w1, w2 = bf16_experts(e, i, h, gated=True, seed=9)
     tensors = quantize_experts_modelopt(w1, w2, gated=True, shared_w13_scale=False)
     layer = make_nvfp4_layer(
-        e, 2, h, i, True, "flashinfer_b12x_emulated", max_transient_bytes=cap,
+        e,
+        2,
+        h,
+        i,
+        True,
+        "flashinfer_b12x_emulated",
+        max_transient_bytes=cap,
         global_scale_mode=mode,
-    )  # fmt: skip
+    )
     load_nvfp4_experts(layer, tensors)
     steps = layer.quant_method.preparation_steps(layer)
     for name, step in steps:
         # (The fold allocates nothing in alpha mode; finalize tiny tensors.)
         _assert_within(name, cap, step, allocates=False)
-    _assert_within("restore", cap, lambda: layer.quant_method.restore_load_layout(
-        layer))  # fmt: skip
+    _assert_within(
+        "restore", cap, lambda: layer.quant_method.restore_load_layout(layer)
+    )
 
 
 def test_rounding_matters_at_small_caps():

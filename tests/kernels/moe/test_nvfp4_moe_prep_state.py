@@ -108,8 +108,14 @@ def _snapshot(layer) -> dict[str, torch.Tensor]:
     experts = layer.quant_method.experts
     kernel = experts.prepared
     if experts.weight_only:  # W4A16: the packed views and global scales
-        for key in ("w13", "w13_scale", "w13_global_scale", "w2", "w2_scale",
-                    "w2_global_scale"):  # fmt: skip
+        for key in (
+            "w13",
+            "w13_scale",
+            "w13_global_scale",
+            "w2",
+            "w2_scale",
+            "w2_global_scale",
+        ):
             snap[key] = bytes_of(getattr(kernel, key).contiguous()).clone()
         return snap
     for key in ("w1_alpha", "w2_alpha", "fc2_input_scale"):
@@ -215,14 +221,16 @@ def _load_through_loader(layer, tensors, experts=None):
     i = layer.moe_config.intermediate_size_per_partition
     params = dict(layer.named_parameters())  # taken once, as vLLM does
     for ex in experts if experts is not None else range(layer.global_num_experts):
-        shards = {"w1": slice(0, i), "w3": slice(i, 2 * i)} if gated else {
-            "w1": slice(0, i)}  # fmt: skip
+        shards = (
+            {"w1": slice(0, i), "w3": slice(i, 2 * i)} if gated else {"w1": slice(0, i)}
+        )
         for shard, rows in shards.items():
             g = 0 if shard == "w1" else 1
             for suffix in ("weight", "weight_scale"):
                 name = f"w13_{suffix}"
-                layer.weight_loader(params[name], tensors[name][ex, rows], name, shard,
-                                    ex)  # fmt: skip
+                layer.weight_loader(
+                    params[name], tensors[name][ex, rows], name, shard, ex
+                )
             for suffix in ("weight_scale_2", "input_scale"):
                 name = f"w13_{suffix}"
                 value = tensors[name].reshape(layer.global_num_experts, -1)[ex, g]
@@ -238,8 +246,9 @@ def _load_through_loader(layer, tensors, experts=None):
 def test_reload_into_prepared_layer_equals_fresh_layer(shape, place):
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
     e, h, i, gated = shape
-    layer = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP,
-                             weights_only=True)  # fmt: skip
+    layer = make_nvfp4_layer(
+        e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP, weights_only=True
+    )
     layer.w13_loaded_as_w3w1 = place and gated
     _load_through_loader(layer, old)
     _prepare(layer)
@@ -259,8 +268,9 @@ def test_reload_into_prepared_layer_equals_fresh_layer(shape, place):
     for n, p in layer.named_parameters():
         assert p.untyped_storage().data_ptr() == storages[n], n
 
-    fresh = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP,
-                             weights_only=True)  # fmt: skip
+    fresh = make_nvfp4_layer(
+        e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP, weights_only=True
+    )
     _load_through_loader(fresh, new)
     _prepare(fresh)
     _assert_same(_snapshot(layer), _snapshot(fresh))
@@ -451,8 +461,7 @@ def test_swizzle_never_writes_past_a_view_without_recorded_room():
     assert torch.equal(bytes_of(out), bytes_of(want))
     with pytest.raises(ValueError, match="storage_has_room=True but"):
         small = torch.zeros(2 * 300 * 5 + 10, dtype=torch.float8_e4m3fn)
-        swizzle_blockscale_bounded(small[: 3000].view(2, 300, 5),
-                                   storage_has_room=True)  # fmt: skip
+        swizzle_blockscale_bounded(small[:3000].view(2, 300, 5), storage_has_room=True)
 
 
 # --- 4. scales set in memory are validated before anything is written -----------
@@ -466,11 +475,15 @@ BAD_IN_MEMORY = [
     ("w2_weight_scale_2", (2,), 0.0, "w2_weight_scale_2 of expert 2 (w2) is 0.0"),
     ("w13_input_scale", (2, 0), INF, "w13_input_scale of expert 2 (w1) is inf"),
     ("w2_input_scale", (1,), -INF, "w2_input_scale of expert 1 (w2) is -inf"),
-    ("w13_weight_scale", (1, 5, 3), 0x7F, "w13_weight_scale: block scale of expert 1 "
-     "is NaN (FP8 byte 0x7f)"),
+    (
+        "w13_weight_scale",
+        (1, 5, 3),
+        0x7F,
+        "w13_weight_scale: block scale of expert 1 is NaN (FP8 byte 0x7f)",
+    ),
     ("w2_weight_scale", (2, 0, 0), 0xFF, "block scale of expert 2 is NaN"),
     ("w2_weight_scale", (0, 7, 1), 0xC0, "block scale of expert 0 is negative"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("bad", BAD_IN_MEMORY, ids=lambda b: f"{b[0]}={b[2]}")

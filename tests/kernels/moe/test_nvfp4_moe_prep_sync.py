@@ -24,8 +24,16 @@ STEPS = ["validate", "fold", "reorder", "swizzle", "finalize"]
 def _loaded_layer(device, cap=4096):
     # A small cap: every step runs in several chunks, yet waits once.
     w1, w2 = bf16_experts(E, I, H, gated=True, seed=3)
-    layer = make_nvfp4_layer(E, TOPK, H, I, True, "flashinfer_b12x_emulated",
-                             device=device, max_transient_bytes=cap)  # fmt: skip
+    layer = make_nvfp4_layer(
+        E,
+        TOPK,
+        H,
+        I,
+        True,
+        "flashinfer_b12x_emulated",
+        device=device,
+        max_transient_bytes=cap,
+    )
     load_nvfp4_experts(layer, quantize_experts_modelopt(w1, w2, gated=True))
     return layer
 
@@ -100,8 +108,9 @@ def test_w4a16_steps_wait_once_before_they_are_recorded(monkeypatch):
     state = get_prep_state(layer)
     steps = [n for n, _ in layer.quant_method.preparation_steps(layer)]
     seen = []
-    monkeypatch.setattr(weight_prep_state, "wait_for_step",
-                        lambda device: seen.append(list(state.done)))  # fmt: skip
+    monkeypatch.setattr(
+        weight_prep_state, "wait_for_step", lambda device: seen.append(list(state.done))
+    )
     layer.quant_method.process_weights_after_loading(layer)
     assert len(steps) > 2 and seen == [steps[:i] for i in range(len(steps))]
 
@@ -110,8 +119,9 @@ def _restore_waits(layer, monkeypatch):
     layer.quant_method.process_weights_after_loading(layer)
     state = get_prep_state(layer)
     seen = []
-    monkeypatch.setattr(weight_prep_state, "wait_for_step",
-                        lambda device: seen.append(list(state.done)))  # fmt: skip
+    monkeypatch.setattr(
+        weight_prep_state, "wait_for_step", lambda device: seen.append(list(state.done))
+    )
     layer.quant_method.restore_load_layout(layer)
     return seen
 
@@ -161,5 +171,6 @@ def test_a_failed_wait_records_nothing_and_a_retry_completes(monkeypatch, failin
     layer.quant_method.process_weights_after_loading(layer)
     assert state.status is weight_prep_state.PrepStatus.PREPARED
     for name, p in clean.named_parameters():
-        assert torch.equal(getattr(layer, name).view(torch.uint8),
-                           p.view(torch.uint8)), name  # fmt: skip
+        assert torch.equal(
+            getattr(layer, name).view(torch.uint8), p.view(torch.uint8)
+        ), name

@@ -44,18 +44,29 @@ CAPS = [16 << 10, 4 * MIB, 64 * MIB]
 
 def _layer(e, h, i, gated, device, cap, mode="alpha"):
     return make_nvfp4_layer(
-        e, 2, h, i, gated, BACKEND, device=device, max_transient_bytes=cap,
+        e,
+        2,
+        h,
+        i,
+        gated,
+        BACKEND,
+        device=device,
+        max_transient_bytes=cap,
         global_scale_mode=mode,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["alpha", "fold"])
 @pytest.mark.parametrize("cap", CAPS, ids=lambda c: f"cap{c >> 10}KiB")
-@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "E{}_H{}_I{}_{}".format(
-    s[0], s[1], s[2], "silu" if s[3] else "relu2"))  # fmt: skip
-def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode,
-                                                             device):  # fmt: skip
+@pytest.mark.parametrize(
+    "shape",
+    LAYER_SHAPES,
+    ids=lambda s: "E{}_H{}_I{}_{}".format(
+        s[0], s[1], s[2], "silu" if s[3] else "relu2"
+    ),
+)
+def test_bounded_preparation_is_bit_identical_to_whole_tensor(shape, cap, mode, device):
     e, h, i, gated = shape
     tensors = random_layer_tensors(e, h, i, gated, seed=sum(shape), device=device)
     want = whole_tensor_preparation(tensors, gated, mode)
@@ -126,8 +137,9 @@ def test_padded_swizzle_in_place_one_group_at_a_time(case):
     src = random_bits((e, r, c), torch.uint8, "cpu", seed=r) % 0x70 + 8
     scale.view(torch.uint8).copy_(src)
     want = swizzle_blockscale(src.view(torch.float8_e4m3fn))
-    out = swizzle_blockscale_bounded(scale, max_transient_bytes=cap,
-                                     storage_has_room=True)  # fmt: skip
+    out = swizzle_blockscale_bounded(
+        scale, max_transient_bytes=cap, storage_has_room=True
+    )
     assert out.untyped_storage().data_ptr() == scale.untyped_storage().data_ptr()
     assert torch.equal(bytes_of(out), bytes_of(want))
     # And back, in place: the exact linear bytes.

@@ -147,8 +147,9 @@ def test_cycle_following_path_runs_below_one_expert():
         repack_w4a16_weight_(x, rotate=256, max_transient_bytes=cap, progress=progress)
     assert mem.peak_bytes <= cap < n * k // 2
     assert progress.total > n // 64  # strips, then the cycle chunks
-    assert torch.equal(x.view(torch.int32).view(e, k // 16, -1),
-                       w4a16_pack_weight(w, 256))  # fmt: skip
+    assert torch.equal(
+        x.view(torch.int32).view(e, k // 16, -1), w4a16_pack_weight(w, 256)
+    )
 
 
 def _min_cap(n, k, scale=False):
@@ -246,13 +247,21 @@ def test_interrupted_bounded_calls_resume_to_the_same_bytes(path):
     x = w4a16_scale_exponent(s)
     scale_cap = cap if path == "A" else w4a16_min_transient_bytes(n, k, scale=True)
     cases = [
-        (w, lambda t, p: repack_w4a16_weight_(t, rotate=64, max_transient_bytes=cap,
-                                               progress=p),
-         bytes_of(w4a16_pack_weight(w, 64))),
-        (s, lambda t, p: pack_w4a16_blockscale_(t, x, rotate=64, progress=p,
-                                                max_transient_bytes=scale_cap),
-         bytes_of(w4a16_pack_blockscale(s, x, 64))),
-    ]  # fmt: skip
+        (
+            w,
+            lambda t, p: repack_w4a16_weight_(
+                t, rotate=64, max_transient_bytes=cap, progress=p
+            ),
+            bytes_of(w4a16_pack_weight(w, 64)),
+        ),
+        (
+            s,
+            lambda t, p: pack_w4a16_blockscale_(
+                t, x, rotate=64, progress=p, max_transient_bytes=scale_cap
+            ),
+            bytes_of(w4a16_pack_blockscale(s, x, 64)),
+        ),
+    ]
     for src, call, want in cases:
         t, progress = src.clone(), ChunkProgress()
         with RaiseAtCall() as counter:
@@ -304,18 +313,25 @@ class _StopAfterChunks(RaiseAtCall):
 def _w4a16_layer(e, h, i, gated, *, cap=None, place_w3w1=True, **kwargs):
     experts_kwargs = {} if cap is None else {"max_transient_bytes": cap}
     return FusedMoE(
-        num_experts=e, top_k=2, hidden_size=h, intermediate_size=i,
+        num_experts=e,
+        top_k=2,
+        hidden_size=h,
+        intermediate_size=i,
         activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config.for_mode("w4a16"), moe_backend=BACKEND,
-        place_w3w1_at_load=place_w3w1, experts_kwargs=experts_kwargs, **kwargs,
-    )  # fmt: skip
+        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
+        moe_backend=BACKEND,
+        place_w3w1_at_load=place_w3w1,
+        experts_kwargs=experts_kwargs,
+        **kwargs,
+    )
 
 
 def _tensors(e, h, i, gated, seed, std=0.02):
     w1, w2 = bf16_experts(e, i, h, gated=gated, seed=seed)
     # Real checkpoint magnitudes: expert weights of std ``std``.
-    return quantize_experts_modelopt(w1.float() * std * h**0.5,
-                                     w2.float() * std * i**0.5, gated)  # fmt: skip
+    return quantize_experts_modelopt(
+        w1.float() * std * h**0.5, w2.float() * std * i**0.5, gated
+    )
 
 
 def _prepare(layer):
@@ -352,9 +368,17 @@ def _expected_packed(t, gated, i):
 
 def _packed_bytes(layer) -> dict[str, torch.Tensor]:
     pw = layer.quant_method.experts.prepared
-    return {f: bytes_of(getattr(pw, f).contiguous()).clone() for f in
-            ("w13", "w13_scale", "w13_global_scale", "w2", "w2_scale",
-             "w2_global_scale")}  # fmt: skip
+    return {
+        f: bytes_of(getattr(pw, f).contiguous()).clone()
+        for f in (
+            "w13",
+            "w13_scale",
+            "w13_global_scale",
+            "w2",
+            "w2_scale",
+            "w2_global_scale",
+        )
+    }
 
 
 # (E, H, I, gated): I = 96 (a [w3; w1] rotation of 96 rows: the half swap);
@@ -379,9 +403,12 @@ def test_layer_packed_weights_are_the_reference_in_the_parameters(shape, place_w
         assert got.dtype == ref.dtype and got.shape == ref.shape, field
         assert torch.equal(bytes_of(got.contiguous()), bytes_of(ref)), field
     # w13 / w2 and their scales are the loaded parameters' own storage.
-    for field, name in (("w13", "w13_weight"), ("w2", "w2_weight"),
-                        ("w13_scale", "w13_weight_scale"),
-                        ("w2_scale", "w2_weight_scale")):  # fmt: skip
+    for field, name in (
+        ("w13", "w13_weight"),
+        ("w2", "w2_weight"),
+        ("w13_scale", "w13_weight_scale"),
+        ("w2_scale", "w2_weight_scale"),
+    ):
         assert getattr(pw, field).untyped_storage().data_ptr() == ptrs[name]
     assert layer.weight_prep_state.status is PrepStatus.PREPARED
 
@@ -420,9 +447,12 @@ def test_differing_gate_and_up_scales_go_to_fc2_alpha(i):
     # I = 96 by the half swap, whose [E, 2] global scales must swap too.
     e, h = 4, 256
     w1, w2 = bf16_experts(e, i, h, gated=True, seed=4)
-    t = quantize_experts_modelopt(w1.float() * 0.02 * h**0.5,
-                                  w2.float() * 0.02 * i**0.5, True,
-                                  shared_w13_scale=False)  # fmt: skip
+    t = quantize_experts_modelopt(
+        w1.float() * 0.02 * h**0.5,
+        w2.float() * 0.02 * i**0.5,
+        True,
+        shared_w13_scale=False,
+    )
     s13 = t["w13_weight_scale_2"]
     assert not torch.equal(s13[:, 0], s13[:, 1])
     layer = _w4a16_layer(e, h, i, True)
@@ -535,8 +565,10 @@ def test_prepared_twice_is_a_no_op_and_forward_refuses_before():
     # (the conversion and the kernel's views are rebuilt: tiny tensors).
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     assert not counter.written & params, counter.names
-    assert all(torch.equal(a, b) for a, b in zip(before.values(),
-               _packed_bytes(layer).values(), strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before.values(), _packed_bytes(layer).values(), strict=True)
+    )
 
 
 @pytest.mark.parametrize(
@@ -626,15 +658,17 @@ def test_deepseek_v3_expert_within_a_4_mib_cap():
     e, h, i = 1, 7168, 2048
     gen = torch.Generator().manual_seed(12)
     t = {
-        "w13_weight": torch.randint(0, 256, (e, 2 * i, h // 2), dtype=torch.uint8,
-                                    generator=gen),
+        "w13_weight": torch.randint(
+            0, 256, (e, 2 * i, h // 2), dtype=torch.uint8, generator=gen
+        ),
         "w13_weight_scale": _rand_scale(e, 2 * i, h, seed=13, top=0x7E),
         "w13_weight_scale_2": torch.full((e, 2), 2.0**-12),
-        "w2_weight": torch.randint(0, 256, (e, h, i // 2), dtype=torch.uint8,
-                                   generator=gen),
+        "w2_weight": torch.randint(
+            0, 256, (e, h, i // 2), dtype=torch.uint8, generator=gen
+        ),
         "w2_weight_scale": _rand_scale(e, h, i, seed=14, top=0x7E),
         "w2_weight_scale_2": torch.full((e,), 2.0**-11),
-    }  # fmt: skip
+    }
     layer = _w4a16_layer(e, h, i, True, cap=4 * MiB, place_w3w1=False)
     load_nvfp4_experts(layer, t)
     with measure_peak_memory("cpu") as mem:
@@ -649,8 +683,10 @@ def test_deepseek_v3_expert_within_a_4_mib_cap():
 # --- FlashInfer 0.7.4 as the oracle of the layer --------------------------------
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                    reason="needs flashinfer-python (the oracle)")  # fmt: skip
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None,
+    reason="needs flashinfer-python (the oracle)",
+)
 @pytest.mark.parametrize("shape", LAYERS, ids=LAYER_IDS)
 def test_layer_packed_weights_equal_flashinfer(shape, monkeypatch):
     sms = types.SimpleNamespace(multi_processor_count=2)
@@ -660,11 +696,15 @@ def test_layer_packed_weights_equal_flashinfer(shape, monkeypatch):
     e, h, i, gated = shape
     t = _tensors(e, h, i, gated, seed=15)
     out = fi.prepare_w4a16_modelopt_nvfp4_weights(
-        t["w13_weight"], swizzle_blockscale(t["w13_weight_scale"]),
-        t["w13_weight_scale_2"][:, 0].contiguous(), t["w2_weight"],
-        swizzle_blockscale(t["w2_weight_scale"]), t["w2_weight_scale_2"],
-        activation="silu" if gated else "relu2", w13_layout="w31",
-    )  # fmt: skip
+        t["w13_weight"],
+        swizzle_blockscale(t["w13_weight_scale"]),
+        t["w13_weight_scale_2"][:, 0].contiguous(),
+        t["w2_weight"],
+        swizzle_blockscale(t["w2_weight_scale"]),
+        t["w2_weight_scale_2"],
+        activation="silu" if gated else "relu2",
+        w13_layout="w31",
+    )
     layer = _w4a16_layer(e, h, i, gated)
     _load_through_loader(layer, t)
     got = _packed_bytes(_prepare(layer))
@@ -674,8 +714,10 @@ def test_layer_packed_weights_equal_flashinfer(shape, monkeypatch):
         assert torch.equal(got[field], bytes_of(ref.contiguous())), field
 
 
-@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                    reason="needs flashinfer-python (the real signature)")  # fmt: skip
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is None,
+    reason="needs flashinfer-python (the real signature)",
+)
 def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
     # The call FlashInferB12xW4A16Experts.apply makes, bound to FlashInfer
     # 0.7.4's own launch_sm120_moe signature and W4A16PackedWeights fields:
@@ -701,15 +743,29 @@ def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
     pw = experts.prepared
     prepared = m.flashinfer_packed_weights(pw, torch.device("cpu"))
     assert prepared.workspace.shape == (3 * 4 + 2,)
-    for field in ("w13", "w13_scale", "w13_global_scale", "w2", "w2_scale",
-                  "w2_global_scale"):  # fmt: skip
+    for field in (
+        "w13",
+        "w13_scale",
+        "w13_global_scale",
+        "w2",
+        "w2_scale",
+        "w2_global_scale",
+    ):
         assert getattr(prepared, field) is getattr(pw, field)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int32)
     kwargs = m.w4a16_launch_kwargs(
-        experts.moe_config, pw, prepared, x, layer.w13_weight, layer.w2_weight,
-        torch.ones(3, 2), ids, layer.expert_map, torch.empty_like(x),
-    )  # fmt: skip
+        experts.moe_config,
+        pw,
+        prepared,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        torch.ones(3, 2),
+        ids,
+        layer.expert_map,
+        torch.empty_like(x),
+    )
     bound = inspect.signature(moe_dispatch.launch_sm120_moe).bind(**kwargs)
     assert bound.arguments["_prepared_weights"] is prepared
     assert bound.arguments["num_experts"] == 2 * e
@@ -812,22 +868,35 @@ def test_w4a16_layer_takes_the_alpha_mode_only():
     # refused with the reason; a geometry the layout cannot hold is named.
     _w4a16_layer(2, 128, 64, True, cap=None)
     with pytest.raises(ValueError, match="global_scale_mode must be 'alpha'"):
-        FusedMoE(num_experts=2, top_k=1, hidden_size=128, intermediate_size=64,
-                 quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-                 moe_backend=BACKEND,
-                 experts_kwargs={"global_scale_mode": "fold"})  # fmt: skip
+        FusedMoE(
+            num_experts=2,
+            top_k=1,
+            hidden_size=128,
+            intermediate_size=64,
+            quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
+            moe_backend=BACKEND,
+            experts_kwargs={"global_scale_mode": "fold"},
+        )
     with pytest.raises(
         ValueError, match="hidden size must be a positive multiple of 64"
     ):
-        FusedMoE(num_experts=2, top_k=1, hidden_size=96, intermediate_size=64,
-                 quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-                 moe_backend=BACKEND)  # fmt: skip
+        FusedMoE(
+            num_experts=2,
+            top_k=1,
+            hidden_size=96,
+            intermediate_size=64,
+            quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
+            moe_backend=BACKEND,
+        )
 
 
-@pytest.mark.parametrize("name, index, shard", [
-    ("w13_weight_scale_2", (1, 1), "w1"),  # loaded as [w3; w1]: column 1 is w1
-    ("w2_weight_scale_2", (0,), "w2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, index, shard",
+    [
+        ("w13_weight_scale_2", (1, 1), "w1"),  # loaded as [w3; w1]: column 1 is w1
+        ("w2_weight_scale_2", (0,), "w2"),
+    ],
+)
 def test_bad_global_scale_is_refused_before_any_write(name, index, shard):
     e, h, i, gated = LAYERS[0]
     layer = _w4a16_layer(e, h, i, gated)
@@ -839,8 +908,11 @@ def test_bad_global_scale_is_refused_before_any_write(name, index, shard):
     _prepare(control)
     getattr(layer, name).data[index] = float("nan")
     before = {n: bytes_of(p).clone() for n, p in layer.named_parameters()}
-    with pytest.raises(ValueError, match=rf"{name} of expert {index[0]} \({shard}\) "
-                       "is nan"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=rf"{name} of expert {index[0]} \({shard}\) "
+        "is nan",
+    ):
         _prepare(layer)
     for n, p in layer.named_parameters():
         assert torch.equal(bytes_of(p), before[n]), n
@@ -870,14 +942,16 @@ def test_the_w4a16_gate_adds_the_prepared_call_to_the_b12x_gate(monkeypatch):
         )
 
     monkeypatch.setattr(cls, "_supports_current_device", staticmethod(lambda: True))
-    monkeypatch.setattr(m, "flashinfer_w4a16_prepared_call",
-                        lambda: Support.no("no _prepared_weights"))  # fmt: skip
+    monkeypatch.setattr(
+        m, "flashinfer_w4a16_prepared_call", lambda: Support.no("no _prepared_weights")
+    )
     assert supported(None) == (False, "no _prepared_weights")
     assert supported(kNvfp4Dynamic) == (True, None)  # W4A4 does not need it
     monkeypatch.setattr(m, "flashinfer_w4a16_prepared_call", Support.yes)
     assert supported(None) == (True, None)
     monkeypatch.setattr(cls, "_supports_current_device", staticmethod(lambda: False))
-    monkeypatch.setattr(m, "is_flashinfer_b12x_moe_available",
-                        lambda: Support.no("not SM12x"))  # fmt: skip
+    monkeypatch.setattr(
+        m, "is_flashinfer_b12x_moe_available", lambda: Support.no("not SM12x")
+    )
     ok, reason = supported(None)
     assert not ok and reason.endswith("not SM12x")

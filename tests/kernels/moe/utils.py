@@ -137,9 +137,10 @@ def dequantized_checkpoint_layer(ckpt, layer_idx: int, gated: bool):
 
     def deq(e, proj):
         return dequantize_nvfp4(
-            parts[(e, proj, "weight")], parts[(e, proj, "weight_scale")],
+            parts[(e, proj, "weight")],
+            parts[(e, proj, "weight_scale")],
             global_scale_from_modelopt(parts[(e, proj, "weight_scale_2")]),
-        )  # fmt: skip
+        )
 
     experts = range(ckpt.num_experts)
     w13 = torch.stack([torch.cat([deq(e, p) for p in projs]) for e in experts])

@@ -56,13 +56,19 @@ def _nearest(value: float, table: list[tuple[int, float]]) -> int:
 # E4M3 (float8_e4m3fn) from its bits: 4 exponent bits (bias 7), 3 mantissa
 # bits, exponent 0 subnormal; 0x7F is NaN, so 0x7E = 448 is the largest.
 E4M3 = [
-    (code, (code & 7) * 2.0**-9 if code >> 3 == 0 else
-     (1 + (code & 7) / 8) * 2.0 ** ((code >> 3) - 7))
+    (
+        code,
+        (code & 7) * 2.0**-9
+        if code >> 3 == 0
+        else (1 + (code & 7) / 8) * 2.0 ** ((code >> 3) - 7),
+    )
     for code in range(0x7F)
-]  # fmt: skip
+]
 # E2M1 magnitudes from their bits: 2 exponent bits (bias 1), 1 mantissa bit.
-E2M1 = [(c, (c & 1) * 0.5 if c >> 1 == 0 else (1 + (c & 1) / 2) * 2.0 ** ((c >> 1) - 1))
-        for c in range(8)]  # fmt: skip
+E2M1 = [
+    (c, (c & 1) * 0.5 if c >> 1 == 0 else (1 + (c & 1) / 2) * 2.0 ** ((c >> 1) - 1))
+    for c in range(8)
+]
 
 
 def e4m3_byte(s: float) -> int:
@@ -244,9 +250,14 @@ def test_mma_operand_times_scale_recovers_the_activation():
 
 @pytest.mark.parametrize(
     "scale,error",
-    [(0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError),
-     (math.nan, ValueError), (torch.ones(3), ValueError)],
-)  # fmt: skip
+    [
+        (0.0, ValueError),
+        (-1.0, ValueError),
+        (math.inf, ValueError),
+        (math.nan, ValueError),
+        (torch.ones(3), ValueError),
+    ],
+)
 def test_bad_scales_are_refused(scale, error):
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     with pytest.raises(error, match="scale"):

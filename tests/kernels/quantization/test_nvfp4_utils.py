@@ -41,11 +41,23 @@ def test_constants():
 # Every code, from its definition: bit 3 sign, bits 2-1 exponent (bias 1),
 # bit 0 mantissa; exponent 0 is subnormal (0 or 0.5).
 CODE_VALUES = [
-    (0b0000, 0.0), (0b0001, 0.5), (0b0010, 1.0), (0b0011, 1.5),
-    (0b0100, 2.0), (0b0101, 3.0), (0b0110, 4.0), (0b0111, 6.0),
-    (0b1000, -0.0), (0b1001, -0.5), (0b1010, -1.0), (0b1011, -1.5),
-    (0b1100, -2.0), (0b1101, -3.0), (0b1110, -4.0), (0b1111, -6.0),
-]  # fmt: skip
+    (0b0000, 0.0),
+    (0b0001, 0.5),
+    (0b0010, 1.0),
+    (0b0011, 1.5),
+    (0b0100, 2.0),
+    (0b0101, 3.0),
+    (0b0110, 4.0),
+    (0b0111, 6.0),
+    (0b1000, -0.0),
+    (0b1001, -0.5),
+    (0b1010, -1.0),
+    (0b1011, -1.5),
+    (0b1100, -2.0),
+    (0b1101, -3.0),
+    (0b1110, -4.0),
+    (0b1111, -6.0),
+]
 
 
 @pytest.mark.parametrize("code,value", CODE_VALUES, ids=lambda v: f"{v}")
@@ -66,8 +78,15 @@ def test_every_code_decodes_and_encodes(code, value):
 #   2.5  between 2 (code 4) and 3 (code 5)     -> 2    (code 4, even)
 #   3.5  between 3 (code 5) and 4 (code 6)     -> 4    (code 6, even)
 #   5    between 4 (code 6) and 6 (code 7)     -> 4    (code 6, even)
-TIES = [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0),
-        (2.5, 2.0), (3.5, 4.0), (5.0, 4.0)]  # fmt: skip
+TIES = [
+    (0.25, 0.0),
+    (0.75, 1.0),
+    (1.25, 1.0),
+    (1.75, 2.0),
+    (2.5, 2.0),
+    (3.5, 4.0),
+    (5.0, 4.0),
+]
 
 
 @pytest.mark.parametrize("x,want", TIES)

@@ -228,8 +228,9 @@ def test_dequantize_reads_the_checkpoint_weights(gated):
     s = s.view(torch.float8_e4m3fn)
     x = w4a16_scale_exponent(s)
     g = t["w13_weight_scale_2"][:, 0]
-    deq = w4a16_dequantize(w4a16_pack_weight(w, rotate),
-                           w4a16_pack_blockscale(s, x, rotate))  # fmt: skip
+    deq = w4a16_dequantize(
+        w4a16_pack_weight(w, rotate), w4a16_pack_blockscale(s, x, rotate)
+    )
     deq = deq * w4a16_alpha(w4a16_global_scale(g, x)).view(e, 1, 1)
     ref = dequantize_nvfp4(t["w13_weight"], t["w13_weight_scale"], 1.0)
     ref = ref * g.view(e, 1, 1)  # e2m1 * block scale * scale_2
@@ -264,10 +265,18 @@ def fi_prepare(monkeypatch):
 # (E, H, I, gated): 2I = 192 and H = 192 pad the swizzled scale rows FlashInfer
 # reads (to 256) and I/16 = 6 its columns (to 8); relu2 with I = 64 pads the
 # w13 rows to 128 and H = 320 the w2 rows to 384.
-FI_SHAPES = [(3, 256, 128, True), (2, 192, 96, True), (2, 320, 64, False),
-             (2, 128, 192, False)]  # fmt: skip
-FI_IDS = ["E3_H256_I128_silu", "E2_H192_I96_silu", "E2_H320_I64_relu2",
-          "E2_H128_I192_relu2"]  # fmt: skip
+FI_SHAPES = [
+    (3, 256, 128, True),
+    (2, 192, 96, True),
+    (2, 320, 64, False),
+    (2, 128, 192, False),
+]
+FI_IDS = [
+    "E3_H256_I128_silu",
+    "E2_H192_I96_silu",
+    "E2_H320_I64_relu2",
+    "E2_H128_I192_relu2",
+]
 
 
 def fi_tensors(e, h, i, gated, regime, seed=0):
@@ -295,13 +304,21 @@ def test_reference_equals_flashinfer(fi_prepare, shape, regime, fmt, w13_layout)
     g13, g2 = t["w13_weight_scale_2"][:, 0].contiguous(), t["w2_weight_scale_2"]
     if fmt == "compressed_tensors":  # weight_global_scale = 1 / scale_2
         g13, g2 = 1.0 / g13, 1.0 / g2
-    prepare = (fi_prepare.prepare_w4a16_modelopt_nvfp4_weights if fmt == "modelopt"
-               else fi_prepare.prepare_w4a16_compressed_tensors_weights)  # fmt: skip
+    prepare = (
+        fi_prepare.prepare_w4a16_modelopt_nvfp4_weights
+        if fmt == "modelopt"
+        else fi_prepare.prepare_w4a16_compressed_tensors_weights
+    )
     out = prepare(
-        t["w13_weight"], swizzle_blockscale(t["w13_weight_scale"]), g13,
-        t["w2_weight"], swizzle_blockscale(t["w2_weight_scale"]), g2,
-        activation="silu" if gated else "relu2", w13_layout=w13_layout,
-    )  # fmt: skip
+        t["w13_weight"],
+        swizzle_blockscale(t["w13_weight_scale"]),
+        g13,
+        t["w2_weight"],
+        swizzle_blockscale(t["w2_weight_scale"]),
+        g2,
+        activation="silu" if gated else "relu2",
+        w13_layout=w13_layout,
+    )
     # FlashInfer's "w13" layout is its W4A4 order [w3; w1]: rotated by I.
     rotate = i if gated and w13_layout == "w13" else 0
     x13 = w4a16_scale_exponent(t["w13_weight_scale"])
@@ -310,8 +327,10 @@ def test_reference_equals_flashinfer(fi_prepare, shape, regime, fmt, w13_layout)
         assert x13 > 0 and x2 > 0
     assert torch.equal(out.w13, w4a16_pack_weight(t["w13_weight"], rotate))
     assert torch.equal(out.w2, w4a16_pack_weight(t["w2_weight"]))
-    cases = ((out.w13_scale, t["w13_weight_scale"], x13, rotate),
-             (out.w2_scale, t["w2_weight_scale"], x2, 0))  # fmt: skip
+    cases = (
+        (out.w13_scale, t["w13_weight_scale"], x13, rotate),
+        (out.w2_scale, t["w2_weight_scale"], x2, 0),
+    )
     for got, scale, x, rot in cases:
         want = w4a16_pack_blockscale(scale, x, rot)
         assert got.dtype == want.dtype and got.shape == want.shape

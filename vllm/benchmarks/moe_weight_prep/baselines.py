@@ -198,8 +198,13 @@ def legacy_preparation_steps(
 
 #: The six tensors of FlashInfer's ``W4A16PackedWeights`` compared here.
 PACKED_FIELDS = (
-    "w13", "w13_scale", "w13_global_scale", "w2", "w2_scale", "w2_global_scale",
-)  # fmt: skip
+    "w13",
+    "w13_scale",
+    "w13_global_scale",
+    "w2",
+    "w2_scale",
+    "w2_global_scale",
+)
 #: SMs reported to FlashInfer on CPU (an RTX 5090's 170); it only sizes the
 #: workspace, 170 * 4 + 2 int32.
 CPU_STAND_IN_SM_COUNT = 170
@@ -255,15 +260,17 @@ def public_copy_reference(
     out = {}
     for name, w, rot in (("w13", w13, rotate), ("w2", w2, 0)):
         n, k = w.shape[1], 2 * w.shape[2]
-        packed = torch.empty((e, k // 16, (n // 64) * 128), dtype=torch.int32,
-                             device=w.device)  # fmt: skip
+        packed = torch.empty(
+            (e, k // 16, (n // 64) * 128), dtype=torch.int32, device=w.device
+        )
         for ex in range(e):
             packed[ex] = w4a16_pack_weight(w[ex : ex + 1], rot)[0]
         out[name] = packed
     for name, s, g, rot in (("w13", s13, w13_global, rotate), ("w2", s2, w2_global, 0)):
         x = w4a16_scale_exponent(s)
-        packed = torch.empty((e, s.shape[2], s.shape[1]), dtype=torch.float8_e4m3fn,
-                             device=s.device)  # fmt: skip
+        packed = torch.empty(
+            (e, s.shape[2], s.shape[1]), dtype=torch.float8_e4m3fn, device=s.device
+        )
         for ex in range(e):
             packed[ex] = w4a16_pack_blockscale(s[ex : ex + 1], x, rot)[0]
         out[f"{name}_scale"] = packed
@@ -299,8 +306,9 @@ def _device_properties_stand_in(device: torch.device) -> Iterator[None]:
         yield
         return
     props = SimpleNamespace(multi_processor_count=CPU_STAND_IN_SM_COUNT)
-    with mock.patch.object(torch.cuda, "get_device_properties",
-                           lambda *args, **kwargs: props):  # fmt: skip
+    with mock.patch.object(
+        torch.cuda, "get_device_properties", lambda *args, **kwargs: props
+    ):
         yield
 
 
@@ -330,8 +338,15 @@ def flashinfer_w4a16_prepare(
     _check_inputs(w13, w2)
     with _device_properties_stand_in(w13.device):
         packed = fn(
-            w13, w13_scale_swizzled, w13_global, w2, w2_scale_swizzled, w2_global,
-            activation="silu" if gated else "relu2", params_dtype=torch.bfloat16,
-            w13_layout=w13_layout, reuse_input_storage=reuse_input_storage,
-        )  # fmt: skip
+            w13,
+            w13_scale_swizzled,
+            w13_global,
+            w2,
+            w2_scale_swizzled,
+            w2_global,
+            activation="silu" if gated else "relu2",
+            params_dtype=torch.bfloat16,
+            w13_layout=w13_layout,
+            reuse_input_storage=reuse_input_storage,
+        )
     return {name: getattr(packed, name) for name in PACKED_FIELDS}

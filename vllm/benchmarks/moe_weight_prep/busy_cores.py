@@ -69,9 +69,11 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
     try:
         for _ in range(n):
             ready = ctx.Event()
-            proc = ctx.Process(target=_copy_forever,
-                               args=(ready, threads, os.getpid(), lifeline),
-                               daemon=True)  # fmt: skip
+            proc = ctx.Process(
+                target=_copy_forever,
+                args=(ready, threads, os.getpid(), lifeline),
+                daemon=True,
+            )
             with children_ignore_sigint():  # Ctrl-C is the parent's
                 proc.start()
             procs.append((proc, ready))

@@ -81,8 +81,9 @@ def _temporary_beside(path: str) -> Iterator[str]:
     parent = os.path.dirname(os.path.abspath(path))
     base = os.path.basename(path)
     # Same extension: writers that pick the format by it see the real one.
-    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{base}.",
-                               suffix=os.path.splitext(base)[1])  # fmt: skip
+    fd, tmp = tempfile.mkstemp(
+        dir=parent, prefix=f".{base}.", suffix=os.path.splitext(base)[1]
+    )
     os.close(fd)
     try:
         yield tmp

@@ -101,17 +101,28 @@ def plot_figure(result: dict):
             else:
                 off_scale.append(f"{label} {mib:,.1f} MiB: above this scale")
         if off_scale:
-            ax.text(0.99, 0.97, "\n".join(off_scale), transform=ax.transAxes,
-                    ha="right", va="top", fontsize=8)  # fmt: skip
+            ax.text(
+                0.99,
+                0.97,
+                "\n".join(off_scale),
+                transform=ax.transAxes,
+                ha="right",
+                va="top",
+                fontsize=8,
+            )
         ax.set_ylim(0, top * 1.15)
         ax.set_xlim(0, x0)
         ax.set_xlabel("time (ms)")
         ax.set_ylabel("MiB allocated above the resident weights")
-        ax.set_title(f"{variant}: " + " -> ".join(r["step"] for r in records),
-                     fontsize=9)  # fmt: skip
+        ax.set_title(
+            f"{variant}: " + " -> ".join(r["step"] for r in records), fontsize=9
+        )
     present = {r["step"] for v in VARIANTS for r in timelines[v]}
-    handles = [Patch(color=STEP_COLOURS[s], alpha=0.6, label=s)
-               for s in REPORTED_STEPS if s in present]  # fmt: skip
+    handles = [
+        Patch(color=STEP_COLOURS[s], alpha=0.6, label=s)
+        for s in REPORTED_STEPS
+        if s in present
+    ]
     for _, label, style in references:
         handles.append(Line2D([], [], color="black", ls=style, lw=0.8, label=label))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)

@@ -82,15 +82,25 @@ def precision_sample(
     tiles = {p: _ceil_div(r, TILE_ROWS) for p, r in rows.items()}
     spans = {p: _ceil_div(c, SPAN_COLS) for p, c in cols.items()}
     if how == "off":
-        return {"how": how, "experts": [], "tiles": {p: [] for p in rows},
-                "spans": {p: [] for p in cols}}  # fmt: skip
+        return {
+            "how": how,
+            "experts": [],
+            "tiles": {p: [] for p in rows},
+            "spans": {p: [] for p in cols},
+        }
     if how == "full":
-        return {"how": how, "experts": list(range(num_experts)),
-                "tiles": {p: list(range(n)) for p, n in tiles.items()},
-                "spans": {p: list(range(n)) for p, n in spans.items()}}  # fmt: skip
-    return {"how": how, "experts": _spread(num_experts),
-            "tiles": {p: _spread(n) for p, n in tiles.items()},
-            "spans": {p: _spread(n) for p, n in spans.items()}}  # fmt: skip
+        return {
+            "how": how,
+            "experts": list(range(num_experts)),
+            "tiles": {p: list(range(n)) for p, n in tiles.items()},
+            "spans": {p: list(range(n)) for p, n in spans.items()},
+        }
+    return {
+        "how": how,
+        "experts": _spread(num_experts),
+        "tiles": {p: _spread(n) for p, n in tiles.items()},
+        "spans": {p: _spread(n) for p, n in spans.items()},
+    }
 
 
 def describe_sample(
@@ -130,8 +140,9 @@ def blockscale_range_counts(scale: torch.Tensor) -> dict[str, int]:
     }
 
 
-def _checkpoint_rows(tensors: dict, prefix: str, e: int, rows: torch.Tensor,
-                     c0: int, c1: int) -> torch.Tensor:  # fmt: skip
+def _checkpoint_rows(
+    tensors: dict, prefix: str, e: int, rows: torch.Tensor, c0: int, c1: int
+) -> torch.Tensor:
     """Rows ``rows``, columns [c0, c1) of expert ``e``'s weight decoded from
     the checkpoint tensors ([w1; w3] for gated w13; one global scale per row
     group): float32 [len(rows), c1 - c0]."""
@@ -238,8 +249,9 @@ def prepared_weight_precision(layer, tensors: dict, how: str = "sample") -> dict
                     c0 = j0 * SPAN_COLS
                     c1 = min(j1 * SPAN_COLS, cols[prefix])
                     got = _prepared_rows(layer, prefix, e, t0, t1, c0, c1)
-                    kernel_rows = torch.arange(t0 * TILE_ROWS,
-                                               t0 * TILE_ROWS + len(got))  # fmt: skip
+                    kernel_rows = torch.arange(
+                        t0 * TILE_ROWS, t0 * TILE_ROWS + len(got)
+                    )
                     if prefix == "w13" and moe.is_act_and_mul:
                         # The kernel's [w3; w1]: its row p is checkpoint row
                         # p + I (w3) or p - I (w1).
@@ -255,8 +267,9 @@ def prepared_weight_precision(layer, tensors: dict, how: str = "sample") -> dict
         "rel_rms": (err / ref) ** 0.5 if ref else 0.0,
     }
     for prefix in ("w13", "w2"):
-        out[prefix] = _prepared_range_counts(layer, prefix, rows[prefix],
-                                             cols[prefix] // 16)  # fmt: skip
+        out[prefix] = _prepared_range_counts(
+            layer, prefix, rows[prefix], cols[prefix] // 16
+        )
         out[f"{prefix}_checkpoint"] = blockscale_range_counts(
             tensors[f"{prefix}_weight_scale"]
         )
@@ -309,11 +322,15 @@ def w4a16_precision(packed: dict, tensors: dict, experts: list[int]) -> dict:
             s2 = s2.reshape(tensors[f"{prefix}_weight"].shape[0], -1)[e]
             groups = s2.numel()
             rows = w.shape[0] // groups
-            want = torch.cat([
-                dequantize_nvfp4(w[g * rows:(g + 1) * rows],
-                                 s[g * rows:(g + 1) * rows], 1.0) * s2[g]
-                for g in range(groups)
-            ])  # fmt: skip
+            want = torch.cat(
+                [
+                    dequantize_nvfp4(
+                        w[g * rows : (g + 1) * rows], s[g * rows : (g + 1) * rows], 1.0
+                    )
+                    * s2[g]
+                    for g in range(groups)
+                ]
+            )
             err += float((got - want).square().sum())
             ref += float(want.square().sum())
             nonzero = s.view(torch.uint8) & 0x7F != 0

@@ -51,6 +51,7 @@ class MoEModelPreset:
         return 2 * i if self.is_gated else i
 
 
+# One preset per row, its fields in columns: kept as a table (fmt: skip).
 MOE_MODEL_PRESETS: dict[str, MoEModelPreset] = {
     p.name: p
     for p in [

@@ -32,8 +32,11 @@ def rank_job(rank: int, params: dict) -> dict:
     n = params["world_size"]
     quant = params.get("quant", "w4a4")
     shard = shard_of(rank, n, params["expert_parallel"])
-    device = torch.device("cuda", rank) if params["device"] == "cuda" else (
-        torch.device("cpu"))  # fmt: skip
+    device = (
+        torch.device("cuda", rank)
+        if params["device"] == "cuda"
+        else (torch.device("cpu"))
+    )
     preset, layer_tensors = params["preset"], None
     before_layer = None
     if n > 1:
@@ -83,5 +86,9 @@ def run_ranks(params: dict) -> list[dict]:
     in rank order."""
     # The backend follows the device the ranks compute on: gloo for
     # --device cpu even on a GPU host, NCCL for --device cuda.
-    return spawn_workers(rank_job, params["world_size"], args=(params,),
-                         backend=backend_for_device(params["device"]))  # fmt: skip
+    return spawn_workers(
+        rank_job,
+        params["world_size"],
+        args=(params,),
+        backend=backend_for_device(params["device"]),
+    )

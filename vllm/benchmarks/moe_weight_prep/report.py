@@ -212,15 +212,19 @@ def format_ranks(results: list[dict]) -> str:
     cols = []
     for r in results:
         s = r["summary"]
-        vals = (r["resident_bytes_per_layer"],
-                s["legacy"]["total"]["max_transient_bytes"],
-                s["bounded"]["total"]["max_transient_bytes"],
-                s["legacy"]["total"]["total_time_s"],
-                s["bounded"]["total"]["total_time_s"])  # fmt: skip
+        vals = (
+            r["resident_bytes_per_layer"],
+            s["legacy"]["total"]["max_transient_bytes"],
+            s["bounded"]["total"]["max_transient_bytes"],
+            s["legacy"]["total"]["total_time_s"],
+            s["bounded"]["total"]["total_time_s"],
+        )
         cols.append(vals)
         lines.append(row(str(r["rank"]), r["shard"], *vals))
-    maxima = [max((v for v in col if v is not None), default=None)
-              for col in zip(*cols, strict=True)]  # fmt: skip
+    maxima = [
+        max((v for v in col if v is not None), default=None)
+        for col in zip(*cols, strict=True)
+    ]
     lines.append(row("max", "", *maxima))
     return "\n".join(lines)
 

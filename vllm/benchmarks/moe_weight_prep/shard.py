@@ -30,8 +30,12 @@ class RankShard:
         return self.tp_rank * self.ep_size + self.ep_rank
 
     def layer_kwargs(self) -> dict[str, int]:
-        return {"tp_rank": self.tp_rank, "tp_size": self.tp_size,
-                "ep_rank": self.ep_rank, "ep_size": self.ep_size}  # fmt: skip
+        return {
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "ep_rank": self.ep_rank,
+            "ep_size": self.ep_size,
+        }
 
     def describe(self) -> str:
         if self.ep_size > 1:

@@ -69,13 +69,18 @@ def checkpoint_source(
 
     def layer_tensors(i: int) -> dict[str, torch.Tensor]:
         layer = FusedMoE(
-            num_experts=preset.num_experts, top_k=preset.top_k,
+            num_experts=preset.num_experts,
+            top_k=preset.top_k,
             hidden_size=preset.hidden_size,
             intermediate_size=preset.intermediate_size,
-            activation=preset.activation, quant_config=ckpt.quant_config(layers[i]),
-            moe_backend="flashinfer_b12x_emulated", device=device,
-            **shard.layer_kwargs(), **routing, place_w3w1_at_load=False,
-        )  # fmt: skip
+            activation=preset.activation,
+            quant_config=ckpt.quant_config(layers[i]),
+            moe_backend="flashinfer_b12x_emulated",
+            device=device,
+            **shard.layer_kwargs(),
+            **routing,
+            place_w3w1_at_load=False,
+        )
         # No bar per tensor: the job's bar counts layers already.
         ckpt.load_layer(layer, layers[i])
         return {n: p.data for n, p in layer.named_parameters()}

@@ -26,8 +26,9 @@ def _random_scales(shape, device, gen) -> torch.Tensor:
     # Block scales as a ModelOpt checkpoint has them: block amax / tensor amax
     # * 448, for Gaussian weights mostly 64..448: float8_e4m3fn bytes
     # 0x68..0x7E (64 is 0x68, 448 is 0x7E).
-    raw = torch.randint(0x68, 0x7F, shape, dtype=torch.uint8, device=device,
-                        generator=gen)  # fmt: skip
+    raw = torch.randint(
+        0x68, 0x7F, shape, dtype=torch.uint8, device=device, generator=gen
+    )
     return raw.view(torch.float8_e4m3fn)
 
 

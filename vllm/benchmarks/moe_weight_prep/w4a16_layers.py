@@ -92,8 +92,10 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
 
     def public_model(tensors):
         args, out = _flashinfer_inputs(tensors), {}
-        return (lambda: out.update(public_copy_reference(**args, gated=gated)),
-                lambda: out)  # fmt: skip
+        return (
+            lambda: out.update(public_copy_reference(**args, gated=gated)),
+            lambda: out,
+        )
 
     def flashinfer_fn(reuse: bool):
         def run(tensors):
@@ -101,9 +103,10 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
 
             def prepare():
                 out.update(
-                    flashinfer_w4a16_prepare(**args, gated=gated,
-                                             reuse_input_storage=reuse)
-                )  # fmt: skip
+                    flashinfer_w4a16_prepare(
+                        **args, gated=gated, reuse_input_storage=reuse
+                    )
+                )
 
             return prepare, lambda: out
 
@@ -190,8 +193,9 @@ def run_w4a16_benchmark(
     synthetic = None
     with measure_peak_memory(device):  # the profiler's first start is slow
         pass
-    for idx in tqdm(range(layers), desc=f"{preset.name} w4a16", unit="layer",
-                    disable=not progress):  # fmt: skip
+    for idx in tqdm(
+        range(layers), desc=f"{preset.name} w4a16", unit="layer", disable=not progress
+    ):
         if layer_tensors is None:
             if synthetic is None:
                 synthetic = synthetic_layer_tensors(preset, 1, device, seed)

@@ -121,8 +121,9 @@ def _legacy_run(tensors, gated, device, metered, copy_in=contextlib.nullcontext)
     with copy_in():
         owned = {k: v.clone() for k, v in tensors.items()}
     steps = legacy_preparation_steps(owned, gated)
-    records = _run_steps(steps, lambda: _resident_bytes(owned.values()), device,
-                         metered)  # fmt: skip
+    records = _run_steps(
+        steps, lambda: _resident_bytes(owned.values()), device, metered
+    )
     return records, owned
 
 
@@ -143,8 +144,9 @@ def _bounded_run(
     steps = layer.quant_method.preparation_steps(layer)
     # One thread setting around all steps, as process_weights_after_loading.
     with moe_prep_threads(device):
-        records = _run_steps(steps, lambda: _resident_bytes(layer.parameters()),
-                             device, metered)  # fmt: skip
+        records = _run_steps(
+            steps, lambda: _resident_bytes(layer.parameters()), device, metered
+        )
     return records, layer
 
 
@@ -296,9 +298,15 @@ def run_benchmark(
                 tensors, preset.is_gated, device, False, copy_in
             )
             bounded_timed, layer = _bounded_run(
-                preset, shard, tensors, device, max_transient_bytes, False,
-                global_scale_mode, copy_in,
-            )  # fmt: skip
+                preset,
+                shard,
+                tensors,
+                device,
+                max_transient_bytes,
+                False,
+                global_scale_mode,
+                copy_in,
+            )
             ok = not any(r.error for r in legacy_timed + bounded_timed)
             with clock("check"):
                 if ok and check:
@@ -316,9 +324,14 @@ def run_benchmark(
                 if ok and decode:
                     other = "fold" if global_scale_mode == "alpha" else "alpha"
                     _, other_layer = _bounded_run(
-                        preset, shard, tensors, device, max_transient_bytes, False,
+                        preset,
+                        shard,
+                        tensors,
+                        device,
+                        max_transient_bytes,
+                        False,
                         other,
-                    )  # fmt: skip
+                    )
                     report[other] = prepared_weight_precision(
                         other_layer, tensors, precision_how
                     )
@@ -329,9 +342,15 @@ def run_benchmark(
                 metered_shapes.add(shape_key)
                 with clock("metered"):
                     legacy_mem, _ = _legacy_run(tensors, preset.is_gated, device, True)
-                    bounded_mem, _ = _bounded_run(preset, shard, tensors, device,
-                                                  max_transient_bytes, True,
-                                                  global_scale_mode)  # fmt: skip
+                    bounded_mem, _ = _bounded_run(
+                        preset,
+                        shard,
+                        tensors,
+                        device,
+                        max_transient_bytes,
+                        True,
+                        global_scale_mode,
+                    )
         row = {
             "legacy": _merge(legacy_timed, legacy_mem),
             "bounded": _merge(bounded_timed, bounded_mem),
@@ -339,14 +358,16 @@ def run_benchmark(
         if not preset.is_gated:
             # Non-gated experts have no halves to swap: the reorder step runs
             # (and records itself) but does not apply.
-            row = {v: [r for r in recs if r.step != "reorder"]
-                   for v, recs in row.items()}  # fmt: skip
+            row = {
+                v: [r for r in recs if r.step != "reorder"] for v, recs in row.items()
+            }
         return row
 
     # A context manager: an exception (Ctrl-C) closes the bar, so what is
     # printed next starts on a line of its own.
-    with tqdm(range(layers), desc=preset.name, unit="layer",
-              disable=not progress) as bar:  # fmt: skip
+    with tqdm(
+        range(layers), desc=preset.name, unit="layer", disable=not progress
+    ) as bar:
         for idx in bar:
             if before_layer is not None:
                 before_layer()
@@ -364,12 +385,17 @@ def run_benchmark(
             if idx == 0:
                 timelines = {
                     v: [
-                        {"step": r.step, "timeline": r.timeline, "time_s": r.time_s,
-                         "growth_bytes": r.growth_bytes, "peak_bytes": r.peak_bytes}
+                        {
+                            "step": r.step,
+                            "timeline": r.timeline,
+                            "time_s": r.time_s,
+                            "growth_bytes": r.growth_bytes,
+                            "peak_bytes": r.peak_bytes,
+                        }
                         for r in row[v]
                     ]
                     for v in VARIANTS
-                }  # fmt: skip
+                }
             del tensors
 
     summary = {}
@@ -378,8 +404,11 @@ def run_benchmark(
         summary[v] = {}
         for step in REPORTED_STEPS:
             times = [s[step]["time_s"] for s in layer_sums if s[step]["time_s"]]
-            trans = [s[step]["transient_bytes"] for s in layer_sums
-                     if s[step]["transient_bytes"] is not None]  # fmt: skip
+            trans = [
+                s[step]["transient_bytes"]
+                for s in layer_sums
+                if s[step]["transient_bytes"] is not None
+            ]
             errors = [s[step]["error"] for s in layer_sums if s[step]["error"]]
             summary[v][step] = {
                 "total_time_s": sum(times) if times else None,

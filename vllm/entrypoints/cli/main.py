@@ -29,8 +29,9 @@ def make_parser() -> argparse.ArgumentParser:
         prog="vllm",
         description="vLLM (NVFP4 MoE weight-preparation branch) command line.",
     )
-    parser.add_argument("--version", action="version",
-                        version=f"%(prog)s {vllm.__version__}")  # fmt: skip
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {vllm.__version__}"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
     add_bench_subparser(commands)

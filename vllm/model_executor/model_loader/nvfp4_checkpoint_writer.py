@@ -130,9 +130,13 @@ def _one_thread() -> Iterator[None]:
 
 
 _NVFP4_SCHEME = {
-    "num_bits": 4, "type": "float", "strategy": "tensor_group",
-    "group_size": 16, "symmetric": True, "dynamic": False,
-}  # fmt: skip
+    "num_bits": 4,
+    "type": "float",
+    "strategy": "tensor_group",
+    "group_size": 16,
+    "symmetric": True,
+    "dynamic": False,
+}
 _MODELOPT_ALGO = {W4A4: "NVFP4", W4A16: "W4A16_NVFP4"}
 
 
@@ -151,26 +155,33 @@ def _experts_modules(modes: dict[int, str], prefix: str, block: str) -> dict:
     return {f"{prefix}.{i}.{block}.experts": m for i, m in sorted(modes.items())}
 
 
-def _modelopt_quantization(modes: dict[int, str], per_layer: bool, prefix: str,
-                           block: str) -> dict:  # fmt: skip
+def _modelopt_quantization(
+    modes: dict[int, str], per_layer: bool, prefix: str, block: str
+) -> dict:
     """ModelOpt's ``quantization`` dict: one ``quant_algo`` for the checkpoint,
     or MIXED_PRECISION with ``quantized_layers`` (the experts modules, next to
     FP8 attention entries as in NVIDIA's mixed releases)."""
     distinct = set(modes.values())
     if len(distinct) == 1 and not per_layer:
-        return {"quant_algo": _MODELOPT_ALGO[distinct.pop()], "group_size": 16,
-                "exclude_modules": ["lm_head"]}  # fmt: skip
+        return {
+            "quant_algo": _MODELOPT_ALGO[distinct.pop()],
+            "group_size": 16,
+            "exclude_modules": ["lm_head"],
+        }
     layers = {}
     for module, mode in _experts_modules(modes, prefix, block).items():
         layers[module] = {"quant_algo": _MODELOPT_ALGO[mode], "group_size": 16}
         attn = module.rsplit(".", 2)[0] + ".self_attn.q_proj"
         layers[attn] = {"quant_algo": "FP8"}
-    return {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-            "quantized_layers": layers, "exclude_modules": ["lm_head"]}  # fmt: skip
+    return {
+        "quant_algo": "MIXED_PRECISION",
+        "kv_cache_quant_algo": None,
+        "quantized_layers": layers,
+        "exclude_modules": ["lm_head"],
+    }
 
 
-def _compressed_tensors_config(modes: dict[int, str], prefix: str,
-                               block: str) -> dict:  # fmt: skip
+def _compressed_tensors_config(modes: dict[int, str], prefix: str, block: str) -> dict:
     """compressed-tensors ``quantization_config``: one group targeting every
     Linear, or one group per mode whose ``re:`` targets name its layers'
     experts (plus an FP8 group for attention, as a mixed export has)."""
@@ -185,17 +196,32 @@ def _compressed_tensors_config(modes: dict[int, str], prefix: str,
     groups = {}
     for n, mode in enumerate(distinct):
         idx = "|".join(str(i) for i, m in sorted(modes.items()) if m == mode)
-        pattern = (re.escape(f"{prefix}.") + f"({idx})"
-                   + re.escape(f".{block}.experts.") + ".*")  # fmt: skip
+        pattern = (
+            re.escape(f"{prefix}.")
+            + f"({idx})"
+            + re.escape(f".{block}.experts.")
+            + ".*"
+        )
         groups[f"group_{n}"] = _ct_group([f"re:{pattern}"], mode)
-    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
-           "dynamic": False}  # fmt: skip
+    fp8 = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor",
+        "symmetric": True,
+        "dynamic": False,
+    }
     groups["group_fp8"] = {
-        "targets": [r"re:.*self_attn\..*"], "weights": fp8,
-        "input_activations": fp8, "format": "float-quantized",
-    }  # fmt: skip
-    return {"quant_method": "compressed-tensors", "format": "mixed-precision",
-            "config_groups": groups, "ignore": ["lm_head"]}  # fmt: skip
+        "targets": [r"re:.*self_attn\..*"],
+        "weights": fp8,
+        "input_activations": fp8,
+        "format": "float-quantized",
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision",
+        "config_groups": groups,
+        "ignore": ["lm_head"],
+    }
 
 
 def write_nvfp4_moe_checkpoint(
@@ -270,17 +296,43 @@ def write_nvfp4_moe_checkpoint(
             f"them to each of the layers {sorted(layers)}; got {quant_mode!r}"
         )
     with whole_directory(out_dir, overwrite) as tmp, _one_thread():
-        _write(tmp, layers, config, fmt, gated, prefix, block, max_shard_bytes,
-               pow2_global_scales, act_amax, quant_config_in_config_json,
-               shared_w13_global_scale, modes, per_layer,
-               w4a16_input_scales)  # fmt: skip
+        _write(
+            tmp,
+            layers,
+            config,
+            fmt,
+            gated,
+            prefix,
+            block,
+            max_shard_bytes,
+            pow2_global_scales,
+            act_amax,
+            quant_config_in_config_json,
+            shared_w13_global_scale,
+            modes,
+            per_layer,
+            w4a16_input_scales,
+        )
     return Path(out_dir)
 
 
-def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes,
-           pow2_global_scales, act_amax, quant_config_in_config_json,
-           shared_w13_global_scale, modes, per_layer,
-           w4a16_input_scales) -> None:  # fmt: skip
+def _write(
+    out: Path,
+    layers,
+    config,
+    fmt,
+    gated,
+    prefix,
+    block,
+    max_shard_bytes,
+    pow2_global_scales,
+    act_amax,
+    quant_config_in_config_json,
+    shared_w13_global_scale,
+    modes,
+    per_layer,
+    w4a16_input_scales,
+) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for layer_idx, (w13, w2) in sorted(layers.items()):
         e = w13.shape[0]
@@ -341,20 +393,26 @@ def _write(out: Path, layers, config, fmt, gated, prefix, block, max_shard_bytes
     (out / "model.safetensors.index.json").write_text(
         json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2
-        )  # fmt: skip
+        )
     )
     config = dict(config)
     if fmt == MODELOPT:
         quantization = _modelopt_quantization(modes, per_layer, prefix, block)
         if quant_config_in_config_json:
-            config["quantization_config"] = {"quant_method": "modelopt",
-                                             **quantization}  # fmt: skip
+            config["quantization_config"] = {"quant_method": "modelopt", **quantization}
         else:
-            (out / "hf_quant_config.json").write_text(json.dumps({
-                "producer": {"name": "modelopt",
-                             "version": "vllm-nvfp4-test-writer"},
-                "quantization": quantization,
-            }, indent=2))  # fmt: skip
+            (out / "hf_quant_config.json").write_text(
+                json.dumps(
+                    {
+                        "producer": {
+                            "name": "modelopt",
+                            "version": "vllm-nvfp4-test-writer",
+                        },
+                        "quantization": quantization,
+                    },
+                    indent=2,
+                )
+            )
     else:
         config["quantization_config"] = _compressed_tensors_config(modes, prefix, block)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -376,8 +434,11 @@ def _bytes_needed(args) -> int:
     """Peak bytes of :func:`main`: every layer's BF16 experts (2 bytes per
     weight), their NVFP4 tensors (0.5 + 1/16), and the float32 draw of one
     w13 (4 bytes per weight, twice: the draw and its scaled copy)."""
-    rows = 2 * args.intermediate_size if args.activation == "silu" else (
-        args.intermediate_size)  # fmt: skip
+    rows = (
+        2 * args.intermediate_size
+        if args.activation == "silu"
+        else (args.intermediate_size)
+    )
     per_layer = args.num_experts * args.hidden_size * (rows + args.intermediate_size)
     draw = args.num_experts * rows * args.hidden_size * 8
     return args.num_layers * per_layer * (2 + 0.5 + 1 / 16) + draw
@@ -415,13 +476,20 @@ def main(argv: list[str] | None = None) -> None:
         "`vllm bench moe-weight-prep --checkpoint`. MoE layers only.",
     )
     parser.add_argument("out_dir", help="directory to write (created if missing)")
-    parser.add_argument("--format", default=MODELOPT,
-                        choices=[MODELOPT, COMPRESSED_TENSORS],
-                        help="checkpoint layout (default %(default)s)")  # fmt: skip
-    parser.add_argument("--activation", default="silu", choices=["silu", "relu2"],
-                        help="silu: gated experts (gate_proj/up_proj/down_proj); "
-                        "relu2: non-gated (up_proj/down_proj, Nemotron-style) "
-                        "(default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--format",
+        default=MODELOPT,
+        choices=[MODELOPT, COMPRESSED_TENSORS],
+        help="checkpoint layout (default %(default)s)",
+    )
+    parser.add_argument(
+        "--activation",
+        default="silu",
+        choices=["silu", "relu2"],
+        help="silu: gated experts (gate_proj/up_proj/down_proj); "
+        "relu2: non-gated (up_proj/down_proj, Nemotron-style) "
+        "(default %(default)s)",
+    )
     for flag, default, what in (
         ("--num-layers", 4, "MoE layers"),
         ("--num-experts", 64, "experts per layer"),
@@ -429,30 +497,41 @@ def main(argv: list[str] | None = None) -> None:
         ("--hidden-size", 1024, "H, a multiple of 16"),
         ("--intermediate-size", 256, "I per expert, a multiple of 16"),
     ):
-        parser.add_argument(flag, type=positive_int, default=default,
-                            help=f"{what} (default %(default)s)")  # fmt: skip
+        parser.add_argument(
+            flag,
+            type=positive_int,
+            default=default,
+            help=f"{what} (default %(default)s)",
+        )
     parser.add_argument(
-        "--quant", default=W4A4, choices=[W4A4, W4A16, "mixed"],
+        "--quant",
+        default=W4A4,
+        choices=[W4A4, W4A16, "mixed"],
         help="w4a4: NVFP4 weights and activations; w4a16: weight-only NVFP4 "
         "(BF16 activations; ModelOpt W4A16_NVFP4, compressed-tensors with "
         "input_activations null); mixed: even layers w4a16, odd layers w4a4 "
         "(default %(default)s)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--per-layer", action="store_true",
+        "--per-layer",
+        action="store_true",
         help="modelopt: declare each layer's experts under MIXED_PRECISION "
         "quantized_layers (as NVIDIA's Qwen3.6 NVFP4 release) even for one "
         "--quant; mixed always does",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed (default %(default)s)"
     )
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace OUT_DIR when it is not empty (default: "
-                        "refuse)")  # fmt: skip
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT_DIR when it is not empty (default: refuse)",
+    )
     args = parser.parse_args(argv)
-    for flag, value in (("--hidden-size", args.hidden_size),
-                        ("--intermediate-size", args.intermediate_size)):  # fmt: skip
+    for flag, value in (
+        ("--hidden-size", args.hidden_size),
+        ("--intermediate-size", args.intermediate_size),
+    ):
         if value % 16:
             parser.error(f"{flag} must be a multiple of 16 (NVFP4 blocks), got {value}")
     if args.top_k > args.num_experts:
@@ -463,9 +542,11 @@ def main(argv: list[str] | None = None) -> None:
         check_target(Path(args.out_dir), args.overwrite, "--overwrite")
     except ValueError as e:
         parser.error(str(e))
-    sizes = (f"--num-layers {args.num_layers}, --num-experts {args.num_experts}, "
-             f"--hidden-size {args.hidden_size}, --intermediate-size "
-             f"{args.intermediate_size}")  # fmt: skip
+    sizes = (
+        f"--num-layers {args.num_layers}, --num-experts {args.num_experts}, "
+        f"--hidden-size {args.hidden_size}, --intermediate-size "
+        f"{args.intermediate_size}"
+    )
     need, free = _bytes_needed(args), available_memory_bytes()
     if free is not None and need > free:
         parser.error(
@@ -483,22 +564,38 @@ def main(argv: list[str] | None = None) -> None:
         # The draw on one thread too (the same numbers on any number).
         with _one_thread():
             layers = {
-                i: random_bf16_experts(args.num_experts, args.hidden_size,
-                                       args.intermediate_size, gated, args.seed + i)
+                i: random_bf16_experts(
+                    args.num_experts,
+                    args.hidden_size,
+                    args.intermediate_size,
+                    gated,
+                    args.seed + i,
+                )
                 for i in range(args.num_layers)
-            }  # fmt: skip
+            }
             out = write_nvfp4_moe_checkpoint(
-                args.out_dir, layers, _example_config(args), fmt=args.format,
-                gated=gated, prefix=prefix, block=block, max_shard_bytes=64 << 20,
-                quant_mode=modes, per_layer=args.per_layer, overwrite=args.overwrite,
-            )  # fmt: skip
+                args.out_dir,
+                layers,
+                _example_config(args),
+                fmt=args.format,
+                gated=gated,
+                prefix=prefix,
+                block=block,
+                max_shard_bytes=64 << 20,
+                quant_mode=modes,
+                per_layer=args.per_layer,
+                overwrite=args.overwrite,
+            )
     except (ValueError, OSError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except (MemoryError, RuntimeError) as e:
         if not isinstance(e, MemoryError) and "alloc" not in str(e):
             raise
-        parser.exit(2, f"{parser.prog}: error: out of memory writing {sizes} "
-                    f"(about {need / 2**30:.1f} GiB needed)\n")  # fmt: skip
+        parser.exit(
+            2,
+            f"{parser.prog}: error: out of memory writing {sizes} "
+            f"(about {need / 2**30:.1f} GiB needed)\n",
+        )
     print(f"wrote an NVFP4 ({args.format}, {args.quant}) MoE checkpoint to {out}")
 
 

@@ -463,8 +463,13 @@ class NVFP4MoECheckpoint:
             if suffix in suffixes and (experts is None or e in experts):
                 by_file[self.weight_map[name]].append((e, proj, suffix, name))
         total = sum(len(v) for v in by_file.values())
-        bar = tqdm(total=total, desc=f"layer {layer_idx}", unit="tensor",
-                   disable=not progress, leave=False)  # fmt: skip
+        bar = tqdm(
+            total=total,
+            desc=f"layer {layer_idx}",
+            unit="tensor",
+            disable=not progress,
+            leave=False,
+        )
         with bar:
             for file, items in sorted(by_file.items()):
                 path = self.model_dir / file
@@ -517,8 +522,11 @@ class NVFP4MoECheckpoint:
                 f"{self.model_dir}: checkpoint experts are {self.activation}, the "
                 f"layer is {layer.activation.value}"
             )
-        shard_of = {"gate_proj": "w1", "up_proj": "w3" if gated else "w1",
-                    "down_proj": "w2"}  # fmt: skip
+        shard_of = {
+            "gate_proj": "w1",
+            "up_proj": "w3" if gated else "w1",
+            "down_proj": "w2",
+        }
         first = layer.ep_rank * layer.local_num_experts
         owned = range(first, first + layer.local_num_experts)
         # One held load: no forward or preparation sees half of it, and an

@@ -182,8 +182,9 @@ class FusedMoE(torch.nn.Module):
         #: experts of other ranks; None when this rank holds all of them.
         expert_map = None
         if ep_size > 1:
-            expert_map = torch.full((num_experts,), -1, dtype=torch.int32,
-                                    device=device)  # fmt: skip
+            expert_map = torch.full(
+                (num_experts,), -1, dtype=torch.int32, device=device
+            )
             first, n = self._first_expert, self.local_num_experts
             expert_map[first : first + n] = torch.arange(
                 n, dtype=torch.int32, device=device
@@ -256,8 +257,7 @@ class FusedMoE(torch.nn.Module):
                 yield self
             except BaseException:
                 if state.writes_since_prepared and not state.torn:
-                    state.mark_torn(reload_slots(self.moe_config),
-                                    "a reload failed")  # fmt: skip
+                    state.mark_torn(reload_slots(self.moe_config), "a reload failed")
                 raise
 
     def weight_loader(
@@ -293,13 +293,16 @@ class FusedMoE(torch.nn.Module):
         state = get_prep_state(self)
         with state.lock:  # never beside a preparation, restore or forward
             try:
-                slot = self._load_one(param, loaded_weight, weight_name, shard_id,
-                                      expert_id, state)  # fmt: skip
+                slot = self._load_one(
+                    param, loaded_weight, weight_name, shard_id, expert_id, state
+                )
             except BaseException:
                 if state.writes_since_prepared:
                     # Part of this reload is written: all or nothing.
-                    state.mark_torn(reload_slots(self.moe_config),
-                                    f"a reload failed at {weight_name}")  # fmt: skip
+                    state.mark_torn(
+                        reload_slots(self.moe_config),
+                        f"a reload failed at {weight_name}",
+                    )
                 raise
             if slot is None:
                 return False
@@ -310,8 +313,9 @@ class FusedMoE(torch.nn.Module):
                 folds[local, group] = 1.0
             return True
 
-    def _load_one(self, param, loaded_weight, weight_name, shard_id, expert_id,
-                  state) -> tuple[str, int, int] | None:  # fmt: skip
+    def _load_one(
+        self, param, loaded_weight, weight_name, shard_id, expert_id, state
+    ) -> tuple[str, int, int] | None:
         """weight_loader's work: the (name, local expert, row group) written,
         or None for an expert of another rank."""
         if shard_id not in ("w1", "w2", "w3"):
@@ -340,8 +344,9 @@ class FusedMoE(torch.nn.Module):
                     "global and input scales must be finite and positive"
                 )
         elif name.endswith("_weight_scale") and src.dtype == param.dtype:
-            check_blockscale_values(weight_name, src.reshape(1, -1),
-                                    first_expert=expert_id)  # fmt: skip
+            check_blockscale_values(
+                weight_name, src.reshape(1, -1), first_expert=expert_id
+            )
         # A prepared layer goes back to the load layout before anything lands.
         self.quant_method.restore_load_layout(self)
         param = getattr(self, name)
@@ -392,8 +397,9 @@ class FusedMoE(torch.nn.Module):
         self._check_forward_inputs(hidden_states, router_logits)
         parallel = self.moe_config.tp_size * self.ep_size > 1
         if self.reduce_results and parallel and not self._ranks_agree:
-            check_ranks_agree(f"FusedMoE {self.prefix or ''}".strip(),
-                              self._parallel_signature())  # fmt: skip
+            check_ranks_agree(
+                f"FusedMoE {self.prefix or ''}".strip(), self._parallel_signature()
+            )
             self._ranks_agree = True
         topk_weights, topk_ids = fused_topk(
             hidden_states, router_logits, self.top_k, self.renormalize
@@ -408,8 +414,10 @@ class FusedMoE(torch.nn.Module):
 
     def _check_forward_inputs(self, hidden_states, router_logits) -> None:
         h, e = self.moe_config.hidden_dim, self.global_num_experts
-        for name, t in (("hidden_states", hidden_states),
-                        ("router_logits", router_logits)):  # fmt: skip
+        for name, t in (
+            ("hidden_states", hidden_states),
+            ("router_logits", router_logits),
+        ):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(
                     f"{name} must be a torch.Tensor, got {type(t).__name__}"
@@ -484,8 +492,16 @@ class FusedMoE(torch.nn.Module):
         # copied; _load_from_state_dict below checked ``extra`` first.
         adopt_extra_state(self, extra)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
-                              missing_keys, unexpected_keys, error_msgs):  # fmt: skip
+    def _load_from_state_dict(
+        self,
+        state_dict,
+        prefix,
+        local_metadata,
+        strict,
+        missing_keys,
+        unexpected_keys,
+        error_msgs,
+    ):
         state = get_prep_state(self)
         with state.lock:
             problem = state_dict_problem(self, state_dict, prefix)
@@ -496,9 +512,15 @@ class FusedMoE(torch.nn.Module):
                 # Into the load layout first (from any state), as weight_loader.
                 self.quant_method.restore_load_layout(self)
                 state.torn = {}
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys,
-                                          error_msgs)  # fmt: skip
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
 
 
 def _resolve_parallelism(tp_rank, tp_size, ep_rank, ep_size, enable_ep):

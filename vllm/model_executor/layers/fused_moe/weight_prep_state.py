@@ -160,8 +160,9 @@ class MoEWeightPrepState:
         self.progress = {}
         self.plans = {}
 
-    def mark_done(self, step: str, device: torch.device,
-                  begin: PrepStatus | None = None) -> None:  # fmt: skip
+    def mark_done(
+        self, step: str, device: torch.device, begin: PrepStatus | None = None
+    ) -> None:
         """Record ``step`` done, once the device has finished it
         (:func:`wait_for_step`): preparation and restore steps alike.
         ``begin``: enter that status (a new list of steps) after the wait
@@ -178,8 +179,9 @@ class MoEWeightPrepState:
     def started(self, prefix: str) -> bool:
         """Whether any chunk of a step whose progress key starts with
         ``prefix`` was done."""
-        return any(k.split(".")[0] == prefix and p.done > 0
-                   for k, p in self.progress.items())  # fmt: skip
+        return any(
+            k.split(".")[0] == prefix and p.done > 0 for k, p in self.progress.items()
+        )
 
     def record_storage_room(self, name: str, t: torch.Tensor) -> None:
         """Record that ``t``'s storage was made with room for padded scales."""
@@ -194,8 +196,9 @@ class MoEWeightPrepState:
     def mark_torn(self, slots: dict[str, tuple[int, int]], reason: str) -> None:
         """Every slot of ``slots`` (name -> (experts, row groups)) must be
         written again before the layer may be prepared."""
-        self.torn = {n: torch.ones(shape, dtype=torch.bool)
-                     for n, shape in slots.items()}  # fmt: skip
+        self.torn = {
+            n: torch.ones(shape, dtype=torch.bool) for n, shape in slots.items()
+        }
         self.torn_reason = reason
 
     def clear_slot(self, name: str, expert: int, group: int) -> None:

@@ -146,8 +146,9 @@ def fold_global_scale_into_blockscale_(
         codes = _fp8_codes(scale.device).view(1, 256)
         table_f = torch.empty(kmax, 256, dtype=torch.float32, device=scale.device)
         table = torch.empty(kmax * 256, dtype=torch.uint8, device=scale.device)
-        offsets = torch.arange(0, kmax * 256, 256, dtype=torch.int32,
-                               device=scale.device)  # fmt: skip
+        offsets = torch.arange(
+            0, kmax * 256, 256, dtype=torch.int32, device=scale.device
+        )
         index = torch.empty(nmax, dtype=torch.int32, device=scale.device)
 
         def fold(idx: int) -> None:
@@ -164,8 +165,7 @@ def fold_global_scale_into_blockscale_(
             if k > 1:
                 ix.add_(offsets[:k].unsqueeze(1))
             # The chunk's only write: the looked-up bytes onto the source.
-            torch.index_select(table[: k * 256], 0, index[: k * n],
-                               out=src.view(k * n))  # fmt: skip
+            torch.index_select(table[: k * 256], 0, index[: k * n], out=src.view(k * n))
 
         run_chunks(len(chunks), fold, progress, scale.device)
     return scale

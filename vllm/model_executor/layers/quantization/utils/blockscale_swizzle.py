@@ -172,8 +172,9 @@ def swizzle_blockscale_bounded(
             chunks = chunks[::-1]  # last to first
         else:
             src = plan.linear(scale.view(torch.uint8).reshape(-1))
-            dst = torch.empty((e * rp // 128, group_bytes), dtype=torch.uint8,
-                              device=scale.device)  # fmt: skip
+            dst = torch.empty(
+                (e * rp // 128, group_bytes), dtype=torch.uint8, device=scale.device
+            )
             progress = None
         buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
         words = _word_aligned(dst, buf)
@@ -189,8 +190,9 @@ def swizzle_blockscale_bounded(
             # Read the whole chunk before writing any of its destination.
             pad.view(k, n * 128, cp)[:, : hi - lo, :c].copy_(src[i : i + k, lo:hi])
             first = i * plan.groups + g0
-            perm, out = _swizzle_words(pad, dst[first : first + groups], groups,
-                                       cp, words)  # fmt: skip
+            perm, out = _swizzle_words(
+                pad, dst[first : first + groups], groups, cp, words
+            )
             out.copy_(perm)  # the chunk's only write
 
         run_chunks(len(chunks), move, progress, scale.device)
@@ -245,8 +247,7 @@ def unswizzle_blockscale_bounded_(
         flat = _storage_view(swizzled, e * rp * cp)
         src = flat.view(-1, group_bytes)
         dst = plan.linear(flat)
-        buf = torch.empty(per * group_bytes, dtype=torch.uint8,
-                          device=swizzled.device)  # fmt: skip
+        buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=swizzled.device)
         words = _word_aligned(src, buf)
 
         def move(idx: int) -> None:
@@ -256,8 +257,9 @@ def unswizzle_blockscale_bounded_(
             groups = k * n
             lin = buf[: groups * group_bytes]
             first = i * plan.groups + g0
-            perm, swz = _swizzle_words(lin, src[first : first + groups], groups,
-                                       cp, words)  # fmt: skip
+            perm, swz = _swizzle_words(
+                lin, src[first : first + groups], groups, cp, words
+            )
             # Read the whole chunk before writing any of its destination.
             perm.copy_(swz)
             block = lin.view(k, n * 128, cp)[:, : hi - lo, :cols]

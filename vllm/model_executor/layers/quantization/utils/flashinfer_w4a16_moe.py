@@ -114,8 +114,9 @@ def _budget(cap: int, device: torch.device, n: int) -> int:
 # --- the rearrangement inside a tile of codes ------------------------------------
 
 
-def _delta_swap(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor, shift: int,
-                mask: int) -> None:  # fmt: skip
+def _delta_swap(
+    x: torch.Tensor, y: torch.Tensor, t: torch.Tensor, shift: int, mask: int
+) -> None:
     """Exchange the bits of ``y`` under ``mask`` with those of ``x``
     ``shift`` above them (``y`` may be ``x``: a swap inside each word).
     ``t``: scratch of ``x``'s shape. Six whole-tensor operations."""
@@ -127,8 +128,9 @@ def _delta_swap(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor, shift: int,
     x.bitwise_xor_(t)
 
 
-def _shuffle_planes(planes: torch.Tensor, scratch: torch.Tensor,
-                    inverse: bool = False) -> None:  # fmt: skip
+def _shuffle_planes(
+    planes: torch.Tensor, scratch: torch.Tensor, inverse: bool = False
+) -> None:
     """Turn 8 planes of source words into 8 planes of output words, in place
     (``inverse``: back). Every step is an involution, so the inverse runs
     the same four steps in the reverse order.
@@ -248,8 +250,9 @@ class _Plan:
         self.chunks[idx]()
 
 
-def _run(t: torch.Tensor, make_plan: Callable[[], _Plan],
-         progress: ChunkProgress | None) -> None:  # fmt: skip
+def _run(
+    t: torch.Tensor, make_plan: Callable[[], _Plan], progress: ChunkProgress | None
+) -> None:
     """Build a call's plan (all its buffers) and run its chunks."""
     with torch.no_grad():
         plan = make_plan()
@@ -275,12 +278,20 @@ def _plan_bytes(tiles: int) -> int:
     return 40 * tiles
 
 
-def _add_cycles(plan: _Plan, words: torch.Tensor, e: int, nt: int, kt: int,
-                rs: int, tile: int, room: int, inverse: bool) -> None:  # fmt: skip
+def _add_cycles(
+    plan: _Plan,
+    words: torch.Tensor,
+    e: int,
+    nt: int,
+    kt: int,
+    rs: int,
+    tile: int,
+    room: int,
+    inverse: bool,
+) -> None:
     """Append the cycle-following chunks of every expert of ``words``."""
     per = (room - _plan_bytes(nt * kt)) // (tile + 16)
-    cycles = TileCyclePlan(_tile_source(nt, kt, rs, inverse), max(2, per),
-                           words.device)  # fmt: skip
+    cycles = TileCyclePlan(_tile_source(nt, kt, rs, inverse), max(2, per), words.device)
     if cycles.num_chunks == 0:
         return
     width = tile // 8
@@ -435,8 +446,11 @@ def repack_w4a16_weight_(
     ``progress`` resumes an interrupted call (same tensor, rotate and cap).
     """
     _check("weight", weight, torch.uint8)
-    _run(weight, lambda: _weight_plan(weight, rotate, max_transient_bytes, False),
-         progress)  # fmt: skip
+    _run(
+        weight,
+        lambda: _weight_plan(weight, rotate, max_transient_bytes, False),
+        progress,
+    )
     e, n, half_k = weight.shape
     return weight.view(torch.int32).view(e, 2 * half_k // 16, n // 64 * 128)
 
@@ -452,16 +466,20 @@ def unrepack_w4a16_weight_(
     [E, N, K/2] tensor whose storage holds the W4A16 codes; returns it with
     the loaded bytes back. Same memory and chunks, run backwards."""
     _check("weight", weight, torch.uint8)
-    _run(weight, lambda: _weight_plan(weight, rotate, max_transient_bytes, True),
-         progress)  # fmt: skip
+    _run(
+        weight,
+        lambda: _weight_plan(weight, rotate, max_transient_bytes, True),
+        progress,
+    )
     return weight
 
 
 # --- block scales -----------------------------------------------------------------
 
 
-def _scale_plan(scale: torch.Tensor, exponent: int, rotate: int, cap: int,
-                inverse: bool) -> _Plan:  # fmt: skip
+def _scale_plan(
+    scale: torch.Tensor, exponent: int, rotate: int, cap: int, inverse: bool
+) -> _Plan:
     e, n, k, nt, c = _geometry("scale", scale, rotate, 16)
     budget = _budget(check_cap(cap), scale.device, n)
     dev = scale.device
@@ -536,8 +554,11 @@ def pack_w4a16_blockscale_(
     :func:`repack_w4a16_weight_`.
     """
     _check("scale", scale, torch.float8_e4m3fn)
-    _run(scale, lambda: _scale_plan(scale, exponent, rotate, max_transient_bytes,
-                                    False), progress)  # fmt: skip
+    _run(
+        scale,
+        lambda: _scale_plan(scale, exponent, rotate, max_transient_bytes, False),
+        progress,
+    )
     e, n, c = scale.shape
     return scale.view(e, c, n)
 
@@ -554,6 +575,9 @@ def unpack_w4a16_blockscale_(
     the packing flushed comes back 0): ``scale`` is the float8_e4m3fn
     [E, N, K/16] tensor whose storage holds the packed scales; returns it."""
     _check("scale", scale, torch.float8_e4m3fn)
-    _run(scale, lambda: _scale_plan(scale, exponent, rotate, max_transient_bytes,
-                                    True), progress)  # fmt: skip
+    _run(
+        scale,
+        lambda: _scale_plan(scale, exponent, rotate, max_transient_bytes, True),
+        progress,
+    )
     return scale

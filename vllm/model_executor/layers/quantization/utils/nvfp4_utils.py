@@ -90,8 +90,15 @@ E2M1_VALUES = torch.tensor(
 # the midpoint rounds up: ties go to the even code (the one whose mantissa bit,
 # bit 0, is clear), which is the upper neighbour at 0.75, 1.75 and 3.5 and the
 # lower one at 0.25, 1.25, 2.5 and 5.
-_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True),
-                   (2.5, False), (3.5, True), (5.0, False))  # fmt: skip
+_E2M1_MIDPOINTS = (
+    (0.25, False),
+    (0.75, True),
+    (1.25, False),
+    (1.75, True),
+    (2.5, False),
+    (3.5, True),
+    (5.0, False),
+)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
