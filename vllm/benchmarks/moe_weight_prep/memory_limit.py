@@ -16,14 +16,9 @@ def cuda_memory_fraction(limit: int, reserved: int, total: int) -> float:
     """The ``set_per_process_memory_fraction`` that lets a process holding
     ``reserved`` bytes of a ``total``-byte device take ``limit`` more.
 
-    The caching allocator enforces the fraction on its RESERVED bytes (the
-    segments it holds from the device: blocks rounded to 512 B, carved from
-    2 MiB segments for small blocks and 20 MiB or 2 MiB-rounded ones for
-    large), not on the allocated bytes the meter reports. So the start is
-    the reserved figure: the limit is then what the process may newly take
-    from the device, which is what "free memory above the resident weights"
-    means; a limit from the allocated bytes would sit below what the
-    process already holds by the cached, unused part of its segments."""
+    The caching allocator enforces the fraction on its reserved bytes (the
+    segments it holds), not on the allocated bytes the meter reports, so the
+    limit counts from ``reserved``."""
     return min(1.0, (reserved + limit) / total)
 
 

@@ -106,21 +106,17 @@ def _experts_tensors(
 
 
 #: Experts are quantized a few at a time: about this many weights per call
-#: (2 MiB of float32 temporaries, several alive at once). One call per
-#: expert costs as much in call overhead; a whole layer at once spills the
-#: cache (per layer of the example checkpoint on 2 cores: 1 expert 3.4 s,
-#: ~0.5M weights 3.1 s, 4M 5.2 s, on one thread).
+#: (2 MiB of float32 temporaries, several alive at once; a whole layer at
+#: once spills the cache).
 _WEIGHTS_PER_CALL = 1 << 19
 
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
     """torch on one intra-op thread while the block runs, the previous
-    setting after. The quantization is many element-wise operations on
-    small tensors, and each parallel one waits for its slowest thread: with
-    the other core of a 2-core machine busy, one expert took 559 ms on two
-    threads and 9.5 ms on one (the example checkpoint: 3.5 minutes, seconds
-    now), as the bounded preparation found (``moe_prep_threads``)."""
+    setting after: the quantization is many small element-wise operations,
+    each of which would wait for its slowest thread (as in
+    ``moe_prep_threads``)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

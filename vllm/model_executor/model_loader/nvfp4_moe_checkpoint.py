@@ -393,12 +393,13 @@ class NVFP4MoECheckpoint:
         return wm
 
     def _check_shard_header(self, path: Path, names: list[str], index: Path) -> None:
-        """Every shard's header is read when the checkpoint is opened, before
-        any layer: a truncated or corrupt shard (safetensors checks that the
-        header parses and its tensors cover the file exactly) is a ValueError
-        naming it, up front, not a failure in the middle of a run after the
-        layers before it (a corrupt second shard: two layers and 12 s in).
-        The tensors the index places in the shard must be in its header."""
+        """Read a shard's header when the checkpoint opens, before any layer.
+
+        Raises:
+            ValueError: naming the shard, where its header does not parse or
+                its tensors do not cover the file (safetensors' checks), or
+                it lacks a tensor the index places in it.
+        """
         with _safe_open_inside(path, self.model_dir, str(index)) as f:
             keys = set(f.keys())
         missing = [n for n in names if n not in keys]

@@ -60,15 +60,9 @@ __all__ = [
 
 
 def wait_for_step(device: torch.device) -> None:
-    """Wait, once at the end of a step, until the device has finished it.
-
-    On CUDA a chunk's copies are only queued when its progress is recorded;
-    an asynchronous error (or a failure of the device) would surface at some
-    later call. Synchronizing here, before the step is recorded done, means
-    a step recorded done has run to the end, and an error is raised by the
-    step it belongs to. Once per step, not per chunk: chunks stay queued
-    back to back. (An interrupted step resumes from recorded chunks, which
-    the stream runs in order before anything queued after them.)"""
+    """Synchronize ``device`` if it is CUDA (else a no-op), once at the end
+    of a step before it is recorded done: a step recorded done has run to
+    the end, and an asynchronous error is raised by the step it belongs to."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -219,7 +219,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
             if self.emulate_weights_only:
                 fc1 = (x.float() @ w13.t()) * t.w1_alpha[e]  # [n, rows]
             elif t.fc1_input_scale is None:
-                # Upstream's call: w1_alpha is both the input's scale and the
+                # Fold mode: w1_alpha is both the input's scale and the
                 # output's multiplier.
                 fc1 = (_mma_operand(x, t.w1_alpha[e]) @ w13.t()) * t.w1_alpha[e]
             else:

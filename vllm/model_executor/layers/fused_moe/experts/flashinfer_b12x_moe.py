@@ -66,8 +66,8 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 
 #: How the weights' per-expert global scales reach the kernel (W4A4):
 #: "alpha" (default) keeps them as the kernel's alphas and every FP8 block
-#: scale as loaded; "fold" multiplies them into the block scales (upstream's
-#: contract before this change; loses precision at real weight magnitudes).
+#: scale as loaded; "fold" multiplies them into the block scales and passes
+#: alphas of 1 (loses precision at real weight magnitudes).
 GLOBAL_SCALE_MODES = ("alpha", "fold")
 
 
@@ -100,7 +100,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         global_scale_mode: str | None = None,
     ):
         super().__init__(moe_config=moe_config, quant_config=quant_config)
-        # The layer's shape, under upstream's names.
+        # The layer's shape, as the modular kernel reads it.
         self.out_dtype = moe_config.in_dtype
         self.num_local_experts = moe_config.num_local_experts
         self.ep_rank = moe_config.moe_parallel_config.ep_rank

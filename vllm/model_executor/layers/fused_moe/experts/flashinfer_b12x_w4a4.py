@@ -14,7 +14,7 @@ tensors the kernel reads, in bounded memory::
 
 0. ``validate``: scales finite and positive (block scales finite), before
    any write;
-1. ``fold``: only in ``"fold"`` mode (upstream's contract): each global
+1. ``fold``: only in ``"fold"`` mode: each global
    scale multiplied into its FP8 block scales, chunk by chunk, then set to 1.
    ``"alpha"`` (default): nothing; the per-expert global scales are the
    kernel's alphas and no block scale is rewritten. An expert whose w1
@@ -100,11 +100,10 @@ class B12xW4A4Tensors:
         fc1_input_scale: "alpha" mode: the FC1 input's per-expert scale
             (DEQUANTIZATION direction: ``1 / a1_gscale``, the checkpoint's
             calibrated one; 1 where the quant config has none), the
-            kernel's ``input_global_scale``. None in "fold" mode (upstream's
-            call: ``w1_alpha`` = 1 plays both roles).
+            kernel's ``input_global_scale``. None in "fold" mode
+            (``w1_alpha`` = 1 plays both roles).
         fc2_input_scale: the FC2 input's per-expert scale, the same direction
-            (``1 / a2_gscale`` in "alpha" mode; all 1 in "fold" mode, as
-            upstream passes).
+            (``1 / a2_gscale`` in "alpha" mode; all 1 in "fold" mode).
     """
 
     w1_sf_mma: torch.Tensor
@@ -171,8 +170,8 @@ class B12xW4A4Weights:
                 name = f"{prefix}_weight_scale"
                 loaded = getattr(layer, f"{prefix}_weight_scale_2").reshape(e, -1)
                 if mode == "fold":
-                    # Upstream's contract: each expert's global scale (w1's and
-                    # w3's own for w13) into its FP8 block scales; then it is 1.
+                    # Each expert's global scale (w1's and w3's own for w13)
+                    # into its FP8 block scales; then it is 1.
                     target, after = loaded, 1.0
                 elif name in state.folds:
                     target, after = torch.ones_like(loaded), None  # undo a fold
@@ -322,7 +321,7 @@ class B12xW4A4Weights:
         each, DEQUANTIZATION direction (see :class:`B12xW4A4Tensors`): in
         "alpha" mode ``1 / a1_gscale`` and ``1 / a2_gscale`` of the quant
         config (one value or one per expert; all 1 where it has none), in
-        "fold" mode ``(None, ones)``, upstream's call.
+        "fold" mode ``(None, ones)``.
 
         Raises:
             ValueError: an activation global scale that is not finite and

@@ -194,14 +194,11 @@ def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
     intra-op threads when ``device`` is a CPU (1 by default; 0 leaves
     torch's setting); elsewhere, or when already set, a no-op.
 
-    Why one thread: a bounded step is many short operations on cache-sized
-    chunks, and every parallel operation waits for its slowest thread. When
-    another process holds a core, that wait (a scheduler time slice) dwarfs
-    the work: at the Qwen3.6-35B-A3B layer shape, with a torch process
-    copying on 2 threads beside it, the reorder took 87 ms on two threads
-    and 47 ms on one; on a quiet machine one thread costs about 1.4x (see
-    the design page, "Threads"). The previous setting is restored on exit;
-    nested uses change nothing. The setting is process-wide while it lasts.
+    One thread because a bounded step is many short operations on
+    cache-sized chunks, each of which would wait for its slowest thread (the
+    design page's "Threads" has the figures). The previous setting is
+    restored on exit; nested uses change nothing. The setting is
+    process-wide while it lasts.
     """
     n = env_int("VLLM_MOE_PREP_CPU_THREADS", default=1)
     if torch.device(device).type != "cpu" or n == 0:

@@ -2,9 +2,6 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The NVFP4 reference: E2M1 codes, packing, quantization, scale layouts.
 
-(Over 500 lines on purpose: the project keeps ONE NVFP4 reference, the W4A4
-and W4A16 layouts included, which every test and emulation imports.)
-
 NVFP4 stores a tensor ``x`` [..., K] as
 
 * E2M1 codes (4 bits: sign in bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6),
