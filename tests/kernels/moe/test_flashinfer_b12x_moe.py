@@ -74,6 +74,12 @@ W4A16_BACKENDS = [
 MNK = [(2, 128, 256), (2, 256, 512), (16, 128, 256), (64, 256, 512)]
 NUM_EXPERTS = [8, 16]
 TOP_KS = [1, 2, 4]
+W4A16_MNK = [(2, 128, 256), (16, 256, 512)]
+
+
+def _mnk_ids(cases: list[tuple[int, int, int]]) -> list[str]:
+    return ["m{}_n{}_k{}".format(*mnk) for mnk in cases]
+
 
 # Tolerances, as relative RMS error ||out - ref|| / ||ref|| of the [m, k]
 # output (derivations below; measured ranges over these cases in brackets).
@@ -155,9 +161,9 @@ def _device(cls) -> str:
 
 
 @pytest.mark.parametrize("cls", BACKENDS)
-@pytest.mark.parametrize("topk", TOP_KS)
-@pytest.mark.parametrize("e", NUM_EXPERTS)
-@pytest.mark.parametrize("m,n,k", MNK, ids=lambda v: str(v))
+@pytest.mark.parametrize("topk", TOP_KS, ids=lambda v: f"top{v}")
+@pytest.mark.parametrize("e", NUM_EXPERTS, ids=lambda v: f"E{v}")
+@pytest.mark.parametrize("m,n,k", MNK, ids=_mnk_ids(MNK))
 def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
     torch.manual_seed(7)
     silu = MoEActivation.SILU
@@ -226,9 +232,9 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
 
 
 @pytest.mark.parametrize("cls", BACKENDS)
-@pytest.mark.parametrize("topk", TOP_KS)
-@pytest.mark.parametrize("e", NUM_EXPERTS)
-@pytest.mark.parametrize("m,n,k", MNK, ids=lambda v: str(v))
+@pytest.mark.parametrize("topk", TOP_KS, ids=lambda v: f"top{v}")
+@pytest.mark.parametrize("e", NUM_EXPERTS, ids=lambda v: f"E{v}")
+@pytest.mark.parametrize("m,n,k", MNK, ids=_mnk_ids(MNK))
 def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     # Non-gated experts: w1 is [e, n, k], nothing to reorder. The same 24
     # cases as the gated test.
@@ -267,7 +273,7 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
 @pytest.mark.parametrize("cls", W4A16_BACKENDS)
 @pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
 @pytest.mark.parametrize("e,topk", [(8, 2), (16, 4)], ids=["E8_top2", "E16_top4"])
-@pytest.mark.parametrize("m,n,k", [(2, 128, 256), (16, 256, 512)], ids=str)
+@pytest.mark.parametrize("m,n,k", W4A16_MNK, ids=_mnk_ids(W4A16_MNK))
 def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     # W4A16 (weight-only NVFP4, BF16 activations): the same class, selected by
     # the oracle's W4A16 quant config, in FlashInfer's packed layout.
