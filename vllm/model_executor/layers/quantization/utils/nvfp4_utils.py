@@ -95,16 +95,10 @@ _E2M1_MIDPOINTS = (
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round ``x`` to the nearest E2M1 code, ties to even, saturating at +-6.
-
-    Args:
-        x: any floating tensor (already divided by its scales).
-
-    Returns:
-        uint8 codes 0..15 of ``x``'s shape. The sign bit (bit 3) follows
-        ``x``'s sign bit, so -0.0 and negatives that round to zero give code 8.
-        NaN encodes as code 0 or 8 (NVFP4 has no NaN).
-    """
+    """Round floating ``x`` (already divided by its scales) to the nearest
+    E2M1 code, ties to even, saturating at +-6: uint8 codes 0..15 of ``x``'s
+    shape. Bit 3 is ``x``'s sign bit (-0.0 and negatives that round to zero
+    give 8); NaN encodes as 0 or 8 (NVFP4 has no NaN)."""
     mag = x.abs().float()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for midpoint, tie_up in _E2M1_MIDPOINTS:
@@ -240,14 +234,12 @@ def quantize_nvfp4_b12x_activation(
     W4A4 MoE kernels do, operation for operation in float32.
 
     Read from FlashInfer 0.7.4: ``flashinfer/cute_dsl/fp4_common.py``,
-    ``quantize_block_fp4_fast`` (``fast_math=True``, the wrapper's default)
-    and ``quantize_block_fp4``, as called for FC1's input (``input_global_scale
-    [expert]``, or ``w1_alpha[expert]`` without it) and FC2's input
-    (``fc2_input_scale[expert]``, in ``moe_static_kernel.py``,
-    ``quantize_q1_sC_to_sA_sSFA``; the micro and dynamic kernels call the same
-    functions). For one 16-element block with ``m = max |x|`` and the API scale
-    ``d`` (``1 / d`` first when ``scales_are_reciprocal``, the kernels'
-    ``input_scales_are_reciprocal``)::
+    ``quantize_block_fp4_fast`` (``fast_math=True``, the default) and
+    ``quantize_block_fp4``, as called for FC1's input (``input_global_scale
+    [expert]``, or ``w1_alpha[expert]``) and FC2's (``fc2_input_scale
+    [expert]``, ``moe_static_kernel.py``: ``quantize_q1_sC_to_sA_sSFA``; the
+    micro and dynamic kernels call the same). Per 16-element block, ``m = max
+    |x|``, API scale ``d`` (inverted first when ``scales_are_reciprocal``)::
 
         fast:    g = rcp(d); s = g * (m * rcp(6)); inv = rcp(e4m3(s)) * g
         precise: s = m / (6 * d);                  inv = 1 / (e4m3(s) * d)
@@ -263,10 +255,10 @@ def quantize_nvfp4_b12x_activation(
     Args:
         x: bfloat16, float16 or float32, K a multiple of 16 (the kernels read
             BF16: round first to model them).
-        input_scale: ``d``, finite and positive: a scalar, or one per leading
-            index (per expert for x of shape [E, T, K]).
-        fast_math: the kernels' ``fast_math`` flag.
-        scales_are_reciprocal: ``input_scale`` holds ``1 / d``.
+        input_scale: ``d``: a scalar, or one per leading index (per expert).
+        fast_math: the kernels' ``fast_math``.
+        scales_are_reciprocal: their ``input_scales_are_reciprocal``
+            (``input_scale`` holds ``1 / d``).
 
     Returns:
         ``(packed, block_scale)``: uint8 [..., K/2] and float8_e4m3fn
