@@ -63,17 +63,14 @@ class MoEWeightPrepState:
             layout a restore returns to); None before any.
         padded_storage: scale name -> (storage data_ptr, nbytes) of a
             storage with room for the padded scales; stale once replaced.
-        fingerprints: name -> (storage, offset, shape, strides, dtype,
-            ``_version``) when prepared.
-        checksums: name -> ``weight_checksum`` when prepared
-            (``VLLM_MOE_PREP_VERIFY=1`` only).
+        fingerprints, checksums: name -> fingerprint, and checksum
+            (``VLLM_MOE_PREP_VERIFY=1`` only), when prepared.
         folds: block-scale name -> [E, G] float32 factor folded into its FP8
             values (absent: 1).
         global_scales: global-scale name -> [E, G] values as loaded, while
             the prepared parameter holds another (1, the alpha).
         plans: per-step data a resumed step must reuse.
-        torn: name -> bool [E, G], True for slots to write again; empty
-            when whole.
+        torn: name -> bool [E, G], True for slots to write again; empty when whole.
         writes_since_prepared: weight_loader wrote since the last
             preparation (a failure then tears the layer).
         loader_writes: parameters a guarded ``weight_loader`` wrote outside
