@@ -31,20 +31,16 @@ _NEGATIVE_VALUE = re.compile(r"^-\.?[0-9]")
 
 
 class CommandLineParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` for the command lines here, with three
-    differences a user notices:
+    """``argparse.ArgumentParser`` for the command lines here, and for their
+    ``add_subparsers`` sub-commands, with three differences:
 
-    * No abbreviations (``allow_abbrev=False``): ``--num-layer 1`` is an
-      unknown option, not ``--num-layers`` (argparse would take any unique
-      prefix, turning a typo into another option).
+    * No abbreviations: ``--num-layer 1`` is an unknown option, not
+      ``--num-layers``.
     * A value that starts with ``-`` and a digit is a value, never an
       option: ``--memory-limit -5MiB`` reaches the option's type and its
-      message ("size must be at least one byte"), where argparse said
-      "expected one argument" because ``-5MiB`` is no plain number.
+      message.
     * An argument error is two lines on stderr, status 2: the error, then a
-      hint to ``--help`` (not the whole usage before the one useful line).
-
-    Sub-command parsers made with ``add_subparsers`` are of this class too.
+      hint to ``--help``.
     """
 
     def __init__(self, *args, **kwargs):

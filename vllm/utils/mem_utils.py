@@ -54,12 +54,9 @@ class PeakMemory:
 def _cpu_allocation_events(
     prof: torch.profiler.profile,
 ) -> list[tuple[int, int, int]]:
-    """(time_ns, signed bytes, pointer) of every CPU allocator event the
-    profiler saw, in time order.
-
-    Reads the profiler's event tree (``experimental_event_tree``, a private
-    torch API; tests/utils/test_mem_utils.py pins its behaviour for the torch
-    this tree installs)."""
+    """(time_ns, signed bytes, pointer) of every CPU allocator event, in time
+    order, from ``experimental_event_tree`` (a private torch API;
+    tests/utils/test_mem_utils.py pins its behaviour)."""
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int, int]] = []
@@ -79,12 +76,10 @@ def _cpu_allocation_events(
 def _own_allocation_levels(
     events: list[tuple[int, int, int]], round_to: int = 1
 ) -> list[tuple[int, int]]:
-    """(time_ns, bytes live) after each event, counting only blocks allocated
-    inside the measured block: torch's CPU size table can keep a stale entry
-    for a pointer freed while no profiler ran, so a free of an older tensor
-    at a reused address may be reported with some other block's size (seen
-    as a random negative figure). Such frees are ignored. Each allocation
-    counts ``round_to``-rounded (up)."""
+    """(time_ns, bytes live) after each event, each allocation rounded up to
+    ``round_to``. Frees of blocks not allocated here are ignored: torch's CPU
+    size table can keep a stale entry, so such a free may carry another
+    block's size."""
     live: dict[int, int] = {}
     level, out = 0, []
     for t_ns, delta, ptr in events:
@@ -129,27 +124,22 @@ def measure_peak_memory(
             reorder_w1w3_to_w3w1(w, s)
         print(mem.peak_bytes)
 
-    CUDA: the caching allocator's statistics (``torch.cuda.memory_allocated``
-    and ``max_memory_allocated``, after ``reset_peak_memory_stats``), with the
-    device synchronized at both ends. This resets the device's global peak
-    counter.
+    CUDA: the caching allocator's statistics (``memory_allocated`` and
+    ``max_memory_allocated``), the device synchronized at both ends; this
+    resets the device's global peak counter.
 
-    CPU: torch's own allocator accounting, as reported to the profiler's
-    memory events (``profile_memory=True``); every storage torch allocates or
-    frees on the CPU in the block is seen, in order, and the running sum's
-    maximum is the peak. Frees of tensors allocated before the block are not
-    reported by torch's CPU accounting, so on CPU the figure is the peak of the
-    block's own live allocations, an upper bound of the CUDA figure (which nets
-    such frees out); the two agree when the block frees nothing older than
-    itself. Frees are matched to the block's own allocations by pointer, so
-    neither a garbage collection during the block nor a stale entry in
-    torch's size table changes the figure. ``round_to`` (CPU only) counts
-    every allocation rounded up to a multiple of that many bytes:
-    ``CUDA_ALLOCATION_ROUNDING`` gives the figure the CUDA caching allocator
-    would report for the same allocations (a cap that holds in exact bytes
-    can fail there). Process RSS is not used: it depends on the C
-    allocator's caching and page reuse, not on what torch asked for. The
-    profiler slows the block down: do not time code while measuring it.
+    CPU: torch's allocator events as the profiler reports them
+    (``profile_memory=True``), matched by pointer: the peak of the block's own
+    live allocations. Frees of tensors allocated before the block are not
+    reported, so the CPU figure is an upper bound of the CUDA one (equal when
+    the block frees nothing older than itself). ``round_to`` (CPU only)
+    rounds every allocation up; ``CUDA_ALLOCATION_ROUNDING`` gives the figure
+    the CUDA allocator would report. Not process RSS. The profiler slows the
+    block: do not time code while measuring it.
+
+    Raises:
+        ValueError: ``round_to`` not a positive int; a device neither CPU nor
+            CUDA.
     """
     if isinstance(round_to, bool) or not isinstance(round_to, int) or round_to < 1:
         raise ValueError(f"round_to must be a positive int, got {round_to!r}")

@@ -7,17 +7,12 @@ W4A4: faithful models of the earlier NVFP4 MoE weight preparation
 (:func:`legacy_preparation_steps` and its parts, and the first in-place
 fixes).
 
-W4A16: FlashInfer's (b12x, weight-only NVFP4) preparation.
-FlashInfer 0.7.4 prepares W4A16 experts with ``prepare_w4a16_modelopt_nvfp4_
-weights`` / ``prepare_w4a16_compressed_tensors_weights``. Its public path
-(``b12x_fused_moe`` -> ``reuse_input_storage=False``) builds a full packed copy
-of the layer and keeps it, cached while the source tensors live: per layer
-the packed weights and scales are as large as the source, beside it.
-
-Two baselines, both taking the layer's tensors in the layout FlashInfer's
-API takes (128x4-swizzled block scales, one float32 global scale per expert
-and weight), w13 in checkpoint order [w1; w3] = [gate; up], which is the
-kernel's own (FlashInfer's ``w13_layout="gate_up"``, no row rotation):
+W4A16: FlashInfer 0.7.4's preparation (``prepare_w4a16_modelopt_nvfp4_weights``
+/ ``prepare_w4a16_compressed_tensors_weights``), whose public path
+(``reuse_input_storage=False``) keeps a full packed copy of the layer beside
+the source. Two baselines, both on the tensors as FlashInfer's API takes them
+(128x4-swizzled block scales, float32 [E] global scales, w13 as [w1; w3] =
+[gate; up], ``w13_layout="gate_up"``):
 
 * :func:`public_copy_reference`: that public path's memory behaviour, made
   with this package's whole-tensor reference
@@ -79,11 +74,8 @@ def split_cat_halves(t: torch.Tensor, dim: int = -2) -> torch.Tensor:
 def split_cat_reorder(
     weight: torch.Tensor, scale: torch.Tensor, dim: int = -2
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pre-change reorder: returns NEW tensors ``cat([w3, w1], dim)``.
-
-    Peak: one full copy of ``weight`` and of ``scale`` alive beside the
-    originals.
-    """
+    """Pre-change reorder: NEW tensors ``cat([w3, w1], dim)`` (a full copy
+    of each beside the originals)."""
     return split_cat_halves(weight, dim), split_cat_halves(scale, dim)
 
 
@@ -93,13 +85,9 @@ def clone_chunk_reorder(
     dim: int = -2,
     chunk_bytes: int = 64 << 20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first in-place fix: for each chunk of about ``chunk_bytes`` of the
-    first half, ``tmp = a.clone(); a.copy_(b); b.copy_(tmp)``.
-
-    Chunks run along the dimensions before ``dim`` (whole rows of halves, at
-    least one per chunk); a fresh temporary is allocated for every chunk.
-    Moves about 1.5x the bytes of a memcpy and pays the allocator per chunk.
-    """
+    """The first in-place fix: per chunk of about ``chunk_bytes`` of the
+    first half (whole rows before ``dim``, at least one),
+    ``tmp = a.clone(); a.copy_(b); b.copy_(tmp)``: a new temporary each."""
     for t in (weight, scale):
         d = dim % t.dim()
         outer = 1

@@ -2,15 +2,10 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Contention for benchmarks: processes that keep cores busy meanwhile.
 
-A real start-up prepares weights in several worker processes at once, so the
-preparation rarely has the machine to itself. ``busy_cores(n)`` starts ``n``
-processes, each a torch process on one intra-op thread (``threads`` to
-change it) that copies 32 MiB buffers in 1 MiB chunks forever (memory
-traffic and a busy core, like another worker preparing its shard), waits
-until every one is running, and stops them all when the block exits (also
-on an exception or Ctrl-C). If this process dies without running that exit
-(SIGTERM's default action, SIGKILL), the busy processes die with it, at
-once (:func:`vllm.utils.process_lifetime.die_with_parent`).
+A real start-up prepares weights in several worker processes at once.
+``busy_cores(n)`` starts ``n`` torch processes, each copying 32 MiB buffers in
+1 MiB chunks forever (memory traffic and a busy core, like another worker
+preparing its shard).
 """
 
 from __future__ import annotations
@@ -50,11 +45,11 @@ def busy_cores(n: int, threads: int = 1) -> Iterator[int]:
     a neighbour that itself runs parallel operations, the worst case for
     code that does too).
 
-    ``n == 0`` starts nothing. Processes are spawned (not forked: the parent
-    may already run OpenMP threads); they end with the block, or within
-    milliseconds of this process's death by any signal (enter the block in
-    a thread that outlives it: Linux's parent-death signal follows the
-    thread that started them).
+    ``n == 0`` starts nothing. Returns once every process runs; they are
+    spawned (the parent may already run OpenMP threads) and end with the
+    block (also on an exception or Ctrl-C), or at once when this process
+    dies by any signal (:func:`vllm.utils.process_lifetime.die_with_parent`;
+    enter the block in a thread that outlives it).
     """
     if n < 0:
         raise ValueError(f"busy cores must be >= 0, got {n}")

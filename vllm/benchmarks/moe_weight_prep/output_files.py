@@ -1,14 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Output files of the benchmarks: checked before the run, written whole.
-
-A path given on the command line is checked before anything runs (the
-directory exists and a file can be created in it; a plot's format is one
-matplotlib writes), so a mistake costs no run. Files are written to a
-temporary name in the same directory and renamed into place: an interrupted
-or failed write leaves no partial file, and an existing file stays intact
-until the new one is complete.
-"""
+"""Output files of the benchmarks: checked before the run
+(:func:`check_output_path`), written whole (:func:`write_atomically`)."""
 
 from __future__ import annotations
 

@@ -6,23 +6,15 @@ Decodes weights twice: from the checkpoint tensors
 (``e2m1 * block_scale * weight_scale_2``, [w1; w3]) and from the prepared
 layer exactly as the b12x kernel reads it (codes, block scales through the
 MMA-layout view, times the per-expert alphas, [w3; w1]), and counts the FP8
-block scales that a fold pushed out of E4M3's normal range; for W4A16
+block scales out of E4M3's normal range over every expert; for W4A16
 (:func:`w4a16_precision`) the packed layout decoded as the kernel reads it.
-Benchmarks only.
-
-What is decoded (``how``, the main job's ``--precision``):
+Benchmarks only. What ``how`` (``--precision``) decodes:
 
 * ``"sample"`` (default): the first, middle and last expert, and in each of
-  their w13 and w2 the blocks of 128 rows x 1,024 columns at the first,
-  middle and last row tile and column span (rows of w13 [w3; w1] as the
-  kernel holds it, so both halves are in the sample): at most 9 blocks
-  (1.2 M weights) per tensor and expert, 2.9 M of a Qwen3.6 layer's 805 M
-  weights, 7.1 M of a Mixtral layer's 1,409 M (the report used to decode
-  three whole experts: 528 M for Mixtral).
+  their w13 ([w3; w1], both halves) and w2 the blocks of 128 rows x 1,024
+  columns at the first, middle and last row tile and column span: at most 9
+  blocks per tensor and expert.
 * ``"full"``: every expert, every row (1,024 rows at a time: bounded memory).
-
-The block-scale range counts always cover every expert (a byte histogram:
-cheap).
 """
 
 from __future__ import annotations

@@ -2,23 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The router a MoE checkpoint's config declares, as ``FusedMoE`` computes it.
 
-``FusedMoE`` here routes as the softmax-routed Hugging Face MoE models do:
-softmax over all experts' logits, the ``top_k`` largest, renormalized to sum
-to 1 when ``renormalize`` (``FusedMoE(renormalize=...)``). What a config
-says about that, per architecture (``model_type``, the text model's where the
-config nests one):
-
-* ``norm_topk_prob`` (a bool) is ``renormalize`` where the architecture
-  reads it: Qwen2-MoE, Qwen3-MoE, OLMoE (default False), Qwen3-Next
-  (default True), and any other architecture that sets it;
-* Mixtral and the Qwen3.5 / Qwen3-VL MoE models always renormalize (their
-  routers divide by the top-k sum whatever the config says);
-* sigmoid-scored routers with a score-correction bias and grouped top-k
-  (DeepSeek-V3, GLM-4-MoE, Nemotron-H), and any config that sets
-  ``scoring_func`` other than softmax, ``topk_method`` other than greedy,
-  ``n_group`` / ``topk_group`` above 1 or ``routed_scaling_factor`` other
-  than 1, are not that computation: :func:`moe_routing_from_config` raises
-  naming the key.
+``FusedMoE`` routes as the softmax-routed Hugging Face MoE models do: softmax
+over all experts' logits, the ``top_k`` largest, renormalized to sum to 1 when
+``renormalize``. ``norm_topk_prob`` is ``renormalize`` where the architecture
+reads it (defaults below); some architectures always renormalize; any other
+routing (sigmoid scores, grouped top-k, a scaling factor) is refused.
 """
 
 from __future__ import annotations

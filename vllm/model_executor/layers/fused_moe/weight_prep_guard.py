@@ -2,14 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The guard of a prepared MoE layer: writes that bypass the loader refused.
 
-A PREPARED layer records each parameter's fingerprint (storage, offset,
-shape, strides, dtype, ``_version``) and, with ``VLLM_MOE_PREP_VERIFY=1``, a
-checksum of its bytes (:func:`record_prepared`); :func:`check_unchanged`
-refuses the layer at ``forward`` and at a re-preparation when they moved. A
-parameter's own ``weight_loader`` attribute (vLLM's ``RoutedExperts``
-loader, which writes ``param.data[...]``: no version counter moves) is
-wrapped by :func:`guard_weight_loaders`: a write through it into a layer
-that is not in the load layout is recorded and refused the same way.
+:func:`record_prepared` fingerprints each parameter (and, with
+``VLLM_MOE_PREP_VERIFY=1``, checksums its bytes); :func:`check_unchanged`
+refuses the layer at ``forward`` and at a re-preparation when they moved, or
+when a :func:`guard_weight_loaders`-wrapped loader wrote outside the load
+layout.
 """
 
 from __future__ import annotations
@@ -109,11 +106,9 @@ def changed_parameters(
 
 
 def check_unchanged(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
-    """RuntimeError if a prepared layer's parameters were written or
+    """RuntimeError naming the parameters of a prepared layer written or
     replaced other than through ``weight_loader`` (``param.copy_``,
-    ``param.data = ...``; ``param.data.copy_`` with
-    ``VLLM_MOE_PREP_VERIFY=1``): their bytes are then not what the
-    kernel's views describe while the layer says prepared."""
+    ``param.data = ...``; ``param.data.copy_`` with VLLM_MOE_PREP_VERIFY=1)."""
     changed = changed_parameters(state, layer)
     if changed:
         what = ", ".join(f"{n} {how}" for n, how in changed.items())
@@ -127,7 +122,6 @@ def check_unchanged(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
         )
 
 
-# -- copies (copy.deepcopy, pickle, torch.save) --------------------------------
 def copy_facts(state: MoEWeightPrepState, layer: torch.nn.Module) -> dict:
     """What a faithful copy of ``layer`` may take over: which scale
     storages have recorded room, and whether the prepared bytes are
@@ -153,7 +147,6 @@ def after_copy(state: MoEWeightPrepState, layer: torch.nn.Module, facts: dict) -
             state.fingerprints = dict.fromkeys(state.fingerprints)
 
 
-# -- a parameter's own weight_loader -------------------------------------------
 def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None:
     """(local expert, row group) a ``weight_loader(param, loaded_weight,
     weight_name, shard_id, expert_id, ...)`` call writes, or None."""
@@ -171,11 +164,9 @@ def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None
 
 
 class _GuardedWeightLoader:
-    """A parameter's ``weight_loader`` that records writes into a layer that
-    is not in the load layout (see :func:`guard_weight_loaders`). An object
-    rather than a closure, so that a copy of the layer (``copy.deepcopy``,
-    pickling) gets a loader of its own copy: its fields are copied with it,
-    as a bound method of the layer would be."""
+    """A parameter's ``weight_loader`` recording writes outside the load
+    layout (:func:`guard_weight_loaders`). An object, not a closure, so that
+    a copy of the layer (deepcopy, pickle) gets a loader of its own copy."""
 
     _moe_prep_guarded = True
 
@@ -210,16 +201,12 @@ class _GuardedWeightLoader:
 
 
 def guard_weight_loaders(layer: torch.nn.Module) -> None:
-    """Wrap the ``weight_loader`` attribute of each of ``layer``'s own
-    parameters (once) so that a write through it while the layer is not in
-    the load layout (PREPARING, PREPARED, RESTORING) is recorded in
-    ``state.loader_writes``: :func:`check_unchanged` (the forward's guard and
-    a re-preparation) then refuses the layer, and a restore resets it (torn)
-    instead of undoing the preparation on mixed bytes. Writes into a torn
-    layer in the load layout clear their (expert, shard) slot. vLLM's own
-    loaders write ``param.data[...]``, which moves no version counter; the
-    wrapper keeps the loader's signature (``functools.wraps``), as vLLM's
-    layerwise reload reads it."""
+    """Wrap the ``weight_loader`` of each of ``layer``'s own parameters (once):
+    a write through it while the layer is not LOADING is recorded in
+    ``state.loader_writes`` (vLLM's loaders write ``param.data[...]``, which
+    moves no version counter), so :func:`check_unchanged` refuses the layer
+    and a restore tears it; a write into a torn layer clears its (expert,
+    shard) slot. The wrapper keeps the loader's signature."""
     for name, param in layer.named_parameters(recurse=False):
         loader = getattr(param, "weight_loader", None)
         if loader is None or getattr(loader, "_moe_prep_guarded", False):

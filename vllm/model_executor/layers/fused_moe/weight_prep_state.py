@@ -1,41 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The preparation state of a MoE layer's weights: what has been done to them.
-
-The weight preparation rewrites the loaded parameters in place, so the layer
-itself must know which layout its bytes are in::
+"""The preparation state of a MoE layer's weights: which layout its bytes are in::
 
     LOADING  --process_weights_after_loading-->  PREPARING  -->  PREPARED
-       ^          (each step recorded when done;      |              |
-       |           an interrupted step keeps its      |  weight_loader (reload)
-       |           ChunkProgress and resumes)         v              v
+       ^         (each step recorded when done;       |              |
+       |          an interrupted one resumes)         |  weight_loader (reload)
+       |                                              v              v
        +------------------------------------------  RESTORING  <-----+
                  (back to the load layout, in place, resumable)
 
-* A second ``process_weights_after_loading`` on a PREPARED layer is a no-op.
-* After an exception, ``process_weights_after_loading`` resumes: steps done
-  are skipped, the interrupted one continues from its last whole chunk.
-* ``weight_loader`` on a layer that is not LOADING returns it to the load
-  layout first (in place, bounded): a step started is finished, the steps
-  done are undone, a step never started is not run (so a preparation that
-  failed cannot block a reload).
-* One lock per layer (:attr:`MoEWeightPrepState.lock`, re-entrant): the
-  preparation, the restore, ``weight_loader``, ``load_state_dict`` and the
-  experts' ``apply`` hold it, so they never interleave on one layer.
-* **Torn.** A reload that fails after writing part of the layer (a bad
-  scale in expert 3, an interrupt), or a layer whose bytes can no longer be
-  trusted (parameters replaced or converted, e.g. ``layer.to(bf16)``), is
-  *torn*: preparing it is refused until every (expert, row group) slot of
-  every required parameter has been written again (:meth:`mark_torn`).
-* **Guard.** Writes that bypass the loader into a PREPARED layer are
-  refused at ``forward`` and at a re-preparation
-  (:mod:`~vllm.model_executor.layers.fused_moe.weight_prep_guard`; the
-  records are fields here).
-
-The steps themselves and their runner:
-:mod:`~vllm.model_executor.layers.fused_moe.weight_prep_steps`; the layout
-a state dict carries: :mod:`~vllm.model_executor.layers.fused_moe.
-weight_prep_state_dict`.
+One re-entrant lock per layer (``state.lock``, not copied: a copy gets its
+own): the preparation, the restore, ``weight_loader``, ``load_state_dict``
+and the experts' ``apply`` hold it. A *torn* layer is not prepared until
+every slot is written again. The rules in full:
+``docs/design/nvfp4_moe_weight_preparation.md``.
 """
 
 from __future__ import annotations
@@ -60,9 +38,8 @@ __all__ = [
 
 
 def wait_for_step(device: torch.device) -> None:
-    """Synchronize ``device`` if it is CUDA (else a no-op), once at the end
-    of a step before it is recorded done: a step recorded done has run to
-    the end, and an asynchronous error is raised by the step it belongs to."""
+    """Synchronize ``device`` if it is CUDA (else a no-op): a step recorded
+    done has finished, and its asynchronous errors are raised by it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -79,40 +56,27 @@ class MoEWeightPrepState:
     """Bookkeeping of one layer's preparation (``layer.weight_prep_state``).
 
     Attributes:
-        status: see :class:`PrepStatus`.
-        done: names of the steps completed in the current direction
-            (preparing or restoring), in order.
-        progress: chunk progress of each started step, by step name.
-        undo: the preparation steps done when the restore began (what the
-            restore must undo).
-        load_w3w1: whether w13 rows were [w3; w1] when the preparation began
-            (the load layout a restore returns to); None before any.
-        padded_storage: scale parameter name -> (storage data pointer, bytes)
-            of a storage made with room for the swizzled, padded scales. A
-            record, checked against the parameter before it is used: a
-            parameter replaced by the caller loses it.
-        fingerprints: parameter name -> fingerprint when the preparation
-            finished (storage, offset, shape, strides, dtype, ``_version``).
-        checksums: parameter name -> ``weight_prep_guard.weight_checksum`` when
-            prepared
-            (only with ``VLLM_MOE_PREP_VERIFY=1``).
-        folds: block-scale parameter name -> [E, G] float32 factor folded
-            into its FP8 values (absent: 1). In the load layout the global
-            scale parameters always hold the values as loaded.
-        global_scales: global-scale parameter name -> [E, G] values as
-            loaded, kept while the prepared parameter holds something else
-            (1 after a fold, the alpha): the restore puts them back.
-        plans: transient per-step data a resumed step must reuse.
-        torn: parameter name -> bool [E, G], True for slots that must be
-            written again before the layer may be prepared; empty when whole.
-        torn_reason: why the layer is torn.
+        done: steps completed in the current direction, in order.
+        progress: each started step's chunk progress, by step name.
+        undo: the preparation steps done when the restore began.
+        load_w3w1: w13 rows were [w3; w1] when the preparation began (the
+            layout a restore returns to); None before any.
+        padded_storage: scale name -> (storage data_ptr, nbytes) of a
+            storage with room for the padded scales; stale once replaced.
+        fingerprints, checksums: name -> fingerprint, and checksum
+            (``VLLM_MOE_PREP_VERIFY=1`` only), when prepared.
+        folds: block-scale name -> [E, G] float32 factor folded into its FP8
+            values (absent: 1).
+        global_scales: global-scale name -> [E, G] values as loaded, while
+            the prepared parameter holds another (1, the alpha).
+        plans: per-step data a resumed step must reuse.
+        torn: name -> bool [E, G], True for slots to write again; empty when whole.
         writes_since_prepared: weight_loader wrote since the last
             preparation (a failure then tears the layer).
-        loader_writes: names of parameters a guarded ``weight_loader``
-            attribute (``weight_prep_guard.guard_weight_loaders``) wrote
-            into while the layer was not in the load layout: their bytes
-            are not the layout the state describes.
-        lock: the layer's re-entrant lock (not copied: a copy gets its own).
+        loader_writes: parameters a guarded ``weight_loader`` wrote outside
+            the load layout (their bytes are not the recorded layout).
+        values: facts a preparation records for its later steps and the
+            restore (W4A16: scale exponents, rotation), by the experts' keys.
     """
 
     status: PrepStatus = PrepStatus.LOADING
@@ -131,12 +95,8 @@ class MoEWeightPrepState:
     writes_since_prepared: bool = False
     loader_writes: set[str] = field(default_factory=set)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
-    #: small facts a preparation records for its later steps and for the
-    #: way back (W4A16: the scale exponents, taken before the scales are
-    #: rewritten, and the rotation), by the experts' own keys
     values: dict[str, Any] = field(default_factory=dict)
 
-    # -- copies (copy.deepcopy, pickle, torch.save) ----------------------------
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
         d.pop("lock", None)  # a lock cannot be copied; the copy makes its own
@@ -146,7 +106,6 @@ class MoEWeightPrepState:
         self.__dict__.update(d)
         self.lock = threading.RLock()
 
-    # -- steps -----------------------------------------------------------------
     def begin(self, status: PrepStatus) -> None:
         """Enter PREPARING, RESTORING or LOADING: a new list of steps."""
         self.status = status
@@ -157,11 +116,8 @@ class MoEWeightPrepState:
     def mark_done(
         self, step: str, device: torch.device, begin: PrepStatus | None = None
     ) -> None:
-        """Record ``step`` done, once the device has finished it
-        (:func:`wait_for_step`): preparation and restore steps alike.
-        ``begin``: enter that status (a new list of steps) after the wait
-        and before the record, so a device error raised by the wait leaves
-        the status as it was."""
+        """Record ``step`` done after :func:`wait_for_step`. ``begin``: enter
+        that status after the wait, so a device error leaves it unchanged."""
         wait_for_step(device)
         if begin is not None:
             self.begin(begin)
@@ -171,8 +127,7 @@ class MoEWeightPrepState:
         return self.progress.setdefault(step, ChunkProgress())
 
     def started(self, prefix: str) -> bool:
-        """Whether any chunk of a step whose progress key starts with
-        ``prefix`` was done."""
+        """Whether a chunk of step ``prefix`` (keys ``prefix[.*]``) was done."""
         return any(
             k.split(".")[0] == prefix and p.done > 0 for k, p in self.progress.items()
         )
@@ -186,7 +141,6 @@ class MoEWeightPrepState:
         s = t.untyped_storage()
         return self.padded_storage.get(name) == (s.data_ptr(), s.nbytes())
 
-    # -- torn reloads ----------------------------------------------------------
     def mark_torn(self, slots: dict[str, tuple[int, int]], reason: str) -> None:
         """Every slot of ``slots`` (name -> (experts, row groups)) must be
         written again before the layer may be prepared."""

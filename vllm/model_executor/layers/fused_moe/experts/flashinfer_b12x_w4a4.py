@@ -14,13 +14,9 @@ tensors the kernel reads, in bounded memory::
 
 0. ``validate``: scales finite and positive (block scales finite), before
    any write;
-1. ``fold``: only in ``"fold"`` mode: each global
-   scale multiplied into its FP8 block scales, chunk by chunk, then set to 1.
-   ``"alpha"`` (default): nothing; the per-expert global scales are the
-   kernel's alphas and no block scale is rewritten. An expert whose w1
-   (gate) and w3 (up) scales differ gets w1_alpha = s_gate and w2_alpha =
-   s_w2 * s_up / s_gate (times FC2's input scale, see ``alphas``): the
-   activation is linear in up;
+1. ``fold``: ``"fold"`` mode only: each global scale multiplied into its FP8
+   block scales, then set to 1. ``"alpha"`` (default): nothing; the global
+   scales are the kernel's alphas (:meth:`B12xW4A4Weights.alphas`);
 2. ``reorder`` (gated only): ``reorder_w1w3_to_w3w1`` on the weight and the
    linear scales, before any swizzle (a half swap is only valid on the
    swizzled layout when I is a multiple of 128);
@@ -284,15 +280,11 @@ class B12xW4A4Weights:
         """The kernel's per-expert ``(w1_alpha, w2_alpha)``, each [E] float32,
         new tensors (tiny) from the prepared layer's global scales.
 
-        ``w1_alpha`` is the gate's global scale (w1; the only row group of a
-        non-gated layer). For gated experts whose up (w3) global scale
-        differs, FC1 then computes ``up * s_gate / s_up``; the activation is
-        linear in up, so the factor ``s_up / s_gate`` moves to FC2's output:
-        ``w2_alpha = s_w2 * s_up / s_gate``. The kernel quantizes FC2's input
-        ``a`` to about ``a / fc2_input_scale`` and multiplies FC2's output by
-        ``w2_alpha`` alone, so ``w2_alpha`` also carries ``fc2_input_scale``
-        [E] when one is given. After a fold every global scale is 1 and so
-        are both weight factors.
+        ``w1_alpha = s_gate`` (w1's; the only row group of a non-gated
+        layer). FC1 then computes ``up * s_gate / s_up``, and the activation
+        is linear in up, so ``w2_alpha = s_w2 * s_up / s_gate``, times
+        ``fc2_input_scale`` [E] when given (the kernel multiplies FC2's output
+        by ``w2_alpha`` alone). After a fold both weight factors are 1.
         """
         moe = self.moe_config
         e = moe.num_local_experts

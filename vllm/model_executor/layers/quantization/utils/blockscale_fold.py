@@ -26,14 +26,13 @@ __all__ = [
 ]
 
 
-# The fold's allocations, in the sizes the CUDA allocator counts (each block
-# rounded up to 512 bytes): the 256 FP8 codes as float32 (1 KiB kept; while
-# they are made, an int32 and a uint8 [256] too: 1 KiB + 512 B), and, per
-# (expert, row group) segment, its float32 factor (a view when scale_2 is
-# float32; counted anyway). Per chunk of k segments and n elements: the
-# tables (float32 [k, 256] and FP8 [k * 256]), the offsets (int32 [k]) and
-# the index (int32 [n]), four blocks. One segment and 128 elements is the
-# smallest chunk: 1024 + 512 + 512 + 512 bytes.
+# The fold's allocations, each block rounded up to 512 bytes as the CUDA
+# allocator counts: the 256 FP8 codes as float32 (1 KiB; while they are made,
+# int32 and uint8 [256] too), one float32 factor per (expert, row group)
+# segment (counted even when a view), and per chunk of k segments and n
+# elements four blocks: tables float32 [k, 256] and FP8 [k * 256], offsets
+# int32 [k], index int32 [n]. Smallest chunk (one segment, 128 elements):
+# 1024 + 3 * 512 bytes.
 _FOLD_CODES_BYTES = 1024
 _FOLD_SMALLEST_CHUNK_BYTES = 1024 + 3 * ALLOCATION_GRANULE
 
@@ -44,8 +43,7 @@ def _fold_chunk_bytes(k: int, n: int) -> int:
 
 
 def _fold_min_cap(segments: int) -> int:
-    """The smallest cap the fold works with: factors, codes and the
-    smallest chunk, each block rounded as the CUDA allocator counts it."""
+    """The smallest cap the fold works with: factors, codes, smallest chunk."""
     return (
         allocation_bytes(4 * segments) + _FOLD_CODES_BYTES + _FOLD_SMALLEST_CHUNK_BYTES
     )
@@ -93,19 +91,10 @@ def fold_global_scale_into_blockscale_(
 
     Returns ``scale`` itself, each element replaced by
     ``fp8(clamp(float(scale) * scale_2, -448, 448))`` (round to nearest
-    even). ``scale_2`` is not modified: the caller sets it to 1 once the
-    whole tensor is folded.
-
-    How: each (expert, row group) segment maps each of the 256 FP8 bytes
-    through the same function, so a chunk of segments builds that
-    function's 256-entry table for each of its segments (the float32 formula
-    above, applied to every code) and looks its bytes up in it
-    (``index_select`` on an int32 index): bit-identical to the formula,
-    with no FP8 -> float32 conversion of the data. Chunks hold whole
-    segments when one fits the buffer, else pieces of one segment, so the
-    call issues O(bytes / tile) operations. Each chunk is written by one
-    operation, after its table and index are built: an exception leaves it
-    folded or untouched.
+    even), bit for bit; ``scale_2`` is not modified (the caller sets it to 1
+    once the whole tensor is folded). Each chunk is written by one operation
+    (a 256-entry table lookup per segment): an exception leaves it folded or
+    untouched.
     """
     check_blockscale_tensor("scale", scale)
     cap = check_cap(max_transient_bytes)

@@ -31,11 +31,10 @@ __all__ = [
 def blockscale_storage_for_swizzle(
     e: int, r: int, c: int, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """A float8_e4m3fn [E, R, C] tensor (zeros) whose storage already has room
-    for its swizzled, padded [E, Rp, Cp] form, so that
-    :func:`swizzle_blockscale_bounded` (called with ``storage_has_room=True``)
-    can swizzle it in place even when padding is needed. The extra bytes are
-    the padding the kernel needs anyway."""
+    """A float8_e4m3fn [E, R, C] tensor (zeros) whose storage has room for its
+    swizzled, padded [E, Rp, Cp] form, so that
+    :func:`swizzle_blockscale_bounded` (``storage_has_room=True``) swizzles it
+    in place even when padding is needed."""
     rp, cp = swizzled_blockscale_shape(r, c)
     flat = torch.zeros(max(e * rp * cp, 1), dtype=torch.float8_e4m3fn, device=device)
     return flat[: e * r * c].view(e, r, c)
@@ -48,16 +47,11 @@ def _storage_view(t: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class _GroupPlan:
-    """How the swizzle and its inverse walk [E, R, C] scales 128 rows at a
-    time, in chunks of at most ``per_chunk`` groups (G = Rp / 128 groups per
-    expert, group j of expert i is global group i * G + j).
-
-    When R is a multiple of 128 no group straddles two experts and the
-    expert boundary does not matter: the tensor is walked as one [1, E*R, C]
-    expert. Otherwise a chunk holds whole experts when one fits, else groups
-    of one expert. Either way a chunk is one strided block of the linear
-    tensor and one contiguous block of the swizzled one, so it is read and
-    written by one copy each, and there are O(bytes / chunk) chunks.
+    """How the swizzle and its inverse walk [E, R, C] scales in groups of 128
+    rows, at most ``per_chunk`` groups a chunk: as one [1, E*R, C] expert when
+    R is a multiple of 128 (no group straddles two experts), else whole
+    experts when one fits, else groups of one expert. A chunk is one strided
+    block of the linear tensor and one contiguous block of the swizzled one.
     """
 
     def __init__(self, e: int, r: int, c: int, per_chunk: int) -> None:

@@ -33,33 +33,16 @@ __all__ = [
 #: Default cap on the memory one preparation call may allocate (64 MiB).
 DEFAULT_MAX_TRANSIENT_BYTES = 64 << 20
 
-# Size of the reused bounce buffer, per device type. The swap moves every byte
-# of a half through the buffer (a -> buf, b -> a, buf -> b); when the buffer
-# stays resident in cache, the round trip through it costs no DRAM traffic and
-# the swap approaches one read plus one write of the tensor, i.e. a memcpy.
-# Measured on the 2-core CI machine (1 MiB L2 per core, 32 MiB L3) at the
-# Qwen3.6-35B-A3B layer shape, as time / memcpy of the same bytes
-# (benchmarks/kernels/benchmark_reorder_w1w3.py --tile-sweep-kib ...):
-#   buffer  64K   128K  256K  512K  1M    2M    4M    8M    16M   64M
-#   x memcpy 4.15 2.32  1.53  1.17  0.88  0.79  0.77  1.02  1.10  2.46
-# Below ~512 KiB the per-chunk dispatch overhead dominates; above the L3-resident
-# range the temporary spills to DRAM and traffic grows to 1.5x. 2 MiB (1 MiB per
-# core when torch splits a copy over two threads) sits on the plateau.
-# The CPU buffer is 64 KiB short of 2 MiB, so that it and a layer's few [E]
-# float32 tensors of bookkeeping (alphas, input scales: 8 x 4 bytes per
-# expert, 64 KiB at 2048 experts) stay within 2 MiB together.
-# On CUDA every chunk costs three kernel launches (~5 us each) while even a
-# 32 MiB L2 of a consumer Blackwell card keeps a 16 MiB buffer resident, so
-# the buffer is larger there; this value is reasoned, not measured on SM12x.
+# The reused bounce buffer, per device type: 2 MiB less 64 KiB on CPU (room
+# for a layer's [E] bookkeeping within 2 MiB), 16 MiB on CUDA. The sweep
+# behind them: docs/design/nvfp4_moe_weight_preparation.md.
 _TILE_BYTES = {"cpu": (2 << 20) - (64 << 10), "cuda": 16 << 20}
 _DEFAULT_TILE_BYTES = 2 << 20
 
 
-#: The CUDA caching allocator rounds every block up to a multiple of 512
-#: bytes and ``torch.cuda.memory_allocated`` counts the rounded size. The
-#: bounded steps plan their caps in rounded sizes on every device, so a cap
-#: that holds on a CPU holds as the CUDA allocator counts too
-#: (tests/kernels/moe/test_nvfp4_moe_prep_rounding.py simulates it).
+#: The CUDA caching allocator's block rounding. The bounded steps plan their
+#: caps in rounded sizes on every device, so a cap that holds on a CPU holds
+#: as ``torch.cuda.memory_allocated`` counts too.
 ALLOCATION_GRANULE = 512
 
 
@@ -124,15 +107,11 @@ def unit_chunks(units: int, unit_len: int, per: int) -> list[tuple[int, ...]]:
 
 # --- interruption safety ------------------------------------------------------
 #
-# Every bounded step (reorder, fold, swizzle, unswizzle) is a sequence of
-# chunks run by ``run_chunks``. A chunk reads its source into the bounce
-# buffer before its last operation writes the destination, so
-# an exception raised by any torch call of a chunk leaves the chunk either
-# wholly undone or (the swap, whose second write follows its first) undone
-# explicitly. An asynchronous KeyboardInterrupt (SIGINT) is held back until the
-# chunk in flight and its bookkeeping are complete. So when control leaves a
-# step, every chunk is either done and counted in its ``ChunkProgress`` or not
-# started, and no byte exists only in the buffer.
+# A chunk reads its source into the buffer before its last operation writes
+# the destination (the swap undoes its first write if the second fails), and
+# SIGINT is held back until the chunk and its bookkeeping are complete: when
+# control leaves a step, every chunk is done and counted in its
+# ``ChunkProgress`` or untouched, and no byte exists only in the buffer.
 
 
 @dataclass
@@ -191,14 +170,10 @@ def _deferred_interrupts() -> Iterator[_InterruptLatch]:
 @contextlib.contextmanager
 def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
     """Run the enclosed weight preparation with ``VLLM_MOE_PREP_CPU_THREADS``
-    intra-op threads when ``device`` is a CPU (1 by default; 0 leaves
-    torch's setting); elsewhere, or when already set, a no-op.
-
-    One thread because a bounded step is many short operations on
-    cache-sized chunks, each of which would wait for its slowest thread (the
-    design page's "Threads" has the figures). The previous setting is
-    restored on exit; nested uses change nothing. The setting is
-    process-wide while it lasts.
+    intra-op threads when ``device`` is a CPU (1 by default: many short
+    operations on cache-sized chunks; 0 leaves torch's setting); elsewhere, or
+    when already set, a no-op. Process-wide while it lasts; the previous
+    setting is restored on exit.
     """
     n = env_int("VLLM_MOE_PREP_CPU_THREADS", default=1)
     if torch.device(device).type != "cpu" or n == 0:

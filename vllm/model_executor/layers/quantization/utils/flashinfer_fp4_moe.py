@@ -63,12 +63,8 @@ def _normalize_dim(name: str, t: torch.Tensor, dim: int) -> int:
 
 
 def _as_halves(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """View contiguous ``t`` as bytes of shape [outer, 2, half_bytes].
-
-    ``outer`` is the product of the sizes before ``dim``; ``half_bytes`` is half
-    of ``t.shape[dim]`` times the sizes after ``dim`` times the element size.
-    The result aliases ``t``.
-    """
+    """A view (aliasing ``t``, contiguous) as bytes [outer, 2, half_bytes]:
+    ``outer`` is the product of the sizes before ``dim``."""
     outer = 1
     for s in t.shape[:dim]:
         outer *= s
@@ -89,12 +85,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _bounce_buffer_bytes(
     nbytes_per_half: list[int], device: torch.device, max_transient_bytes: int
 ) -> int:
-    """Bounce-buffer size in bytes for swapping halves of the given sizes.
-
-    The buffer is never larger than ``max_transient_bytes`` (as the CUDA
-    allocator counts it: rounded up to 512 bytes), the device's tile size,
-    or the largest half (no point allocating more than is moved).
-    """
+    """Bounce-buffer bytes: at most the cap (rounded as the CUDA allocator
+    counts), the device's tile and the largest half."""
     largest = max(nbytes_per_half, default=0)
     size = max(1, min(max_transient_bytes, tile_bytes(device), largest))
     if allocation_bytes(size) > max_transient_bytes:
@@ -153,13 +145,10 @@ def reorder_w1w3_to_w3w1(
         ``(weight, scale)``: the same tensor objects, modified in place;
         storage, data pointers, shape, strides and contiguity unchanged.
 
-    Memory and speed: one bounce buffer of ``min(max_transient_bytes, tile,
-    largest half)`` bytes is allocated once, before the first write, and reused
-    for every chunk of both tensors, so a failed allocation leaves both inputs
-    untouched. ``tile`` is 2 MiB on CPU and 16 MiB on CUDA: a buffer that stays
-    in cache makes the swap cost about one read and one write of each byte,
-    like a memcpy (the per-device measurements are at
-    ``bounded_chunks._TILE_BYTES``).
+    Memory: one bounce buffer of ``min(max_transient_bytes, tile, largest
+    half)`` bytes (tile: 2 MiB on CPU, 16 MiB on CUDA), allocated once before
+    the first write and reused for every chunk of both tensors, so a failed
+    allocation leaves both inputs untouched.
 
     Interruption: an exception (or SIGINT, held back to the end of the chunk)
     leaves every chunk either swapped or untouched; none of its bytes is left
@@ -262,17 +251,16 @@ def _b12x_activation_scales(
     """The b12x kernel's FC1 and FC2 input scales, one per local expert, [E]
     float32 (dequantization direction, ``amax / (448 * 6)``).
 
-    The kernel quantizes each expert's FC1 input with its own scale
-    (``input_global_scale[expert]``) and each FC2 input with
-    ``fc2_input_scale[expert]``, so each expert keeps its calibrated scales:
-    the producer's activation quantization. w1 and w3 read the same input
-    and the kernel takes one FC1 scale per expert: the larger of the two
-    (equal in every checkpoint that calibrates them on the same input; the
-    larger never clips what the other's range holds). Scales sized for all
-    experts (``use_global_sf`` under expert parallelism) are narrowed to
-    this rank's experts by ``layer.expert_map``. With EPLB, experts move
-    between ranks and their scales would not follow: one value shared by
-    all experts, as for FlashInfer's other backends.
+    The kernel takes ``input_global_scale[expert]`` and
+    ``fc2_input_scale[expert]``, so each expert keeps its calibrated scales;
+    of w1's and w3's FC1 scales (one input) the larger, which never clips
+    the other's range. Scales for all experts are narrowed to this rank's by
+    ``layer.expert_map``. With EPLB (experts move, their scales would not
+    follow): one value shared by all experts.
+
+    Raises:
+        ValueError: a scale count neither this rank's experts nor the
+            expert map's.
     """
     a13 = a13_scale.detach().float()
     if a13.dim() == 2:

@@ -18,13 +18,9 @@ Two directions of global scale are in use; every name here says which:
 * dequantization direction, ``scale_2 = amax / (448 * 6)`` (ModelOpt's
   ``weight_scale_2`` and ``input_scale``): ``x ~= e2m1 * block_scale * scale_2``.
 
-W4A16 (BF16 activations) on FlashInfer's b12x kernel reads another layout,
-the Marlin-style packed one (``w4a16_*`` at the end of this file).
-
-Block scales are swizzled into the 128x4 layout of the Blackwell block-scaled
-MMA before they reach a kernel; the b12x kernel reads them through an
-"MMA layout" view of those same bytes. Both transforms and their inverses live
-here, in pure torch, so a CPU emulation reads exactly what the kernel reads.
+Kernel layouts, with their inverses, in pure torch (a CPU emulation reads
+what the kernel reads): the 128x4 block-scale swizzle and its "MMA layout"
+view (b12x W4A4), and the packed W4A16 layout (``w4a16_*``).
 """
 
 from __future__ import annotations
@@ -99,16 +95,10 @@ _E2M1_MIDPOINTS = (
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
-    """Round ``x`` to the nearest E2M1 code, ties to even, saturating at +-6.
-
-    Args:
-        x: any floating tensor (already divided by its scales).
-
-    Returns:
-        uint8 codes 0..15 of ``x``'s shape. The sign bit (bit 3) follows
-        ``x``'s sign bit, so -0.0 and negatives that round to zero give code 8.
-        NaN encodes as code 0 or 8 (NVFP4 has no NaN).
-    """
+    """Round floating ``x`` (already divided by its scales) to the nearest
+    E2M1 code, ties to even, saturating at +-6: uint8 codes 0..15 of ``x``'s
+    shape. Bit 3 is ``x``'s sign bit (-0.0 and negatives that round to zero
+    give 8); NaN encodes as 0 or 8 (NVFP4 has no NaN)."""
     mag = x.abs().float()
     code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for midpoint, tie_up in _E2M1_MIDPOINTS:
@@ -162,21 +152,14 @@ def _per_leading(scale: torch.Tensor | float, like: torch.Tensor) -> torch.Tenso
 def quantize_nvfp4(
     x: torch.Tensor, global_scale: torch.Tensor | float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` [..., K] to NVFP4.
+    """Quantize ``x`` [..., K] (bfloat16, float16 or float32, K a multiple of
+    16) to NVFP4 with a QUANTIZATION-direction ``global_scale``
+    (:func:`nvfp4_global_scale`): a scalar, or one per leading index.
 
-    Args:
-        x: bfloat16, float16 or float32, K a multiple of 16.
-        global_scale: QUANTIZATION direction (``448 * 6 / amax``, see
-            :func:`nvfp4_global_scale`): a scalar, or one per leading index
-            (per expert for x of shape [E, N, K]).
-
-    Returns:
-        ``(packed, block_scale)``: uint8 [..., K/2] and float8_e4m3fn
-        [..., K/16] in the linear layout, with
-        ``block_scale = fp8(global_scale * amax(block) / 6)`` and codes
-        ``e2m1(x * (global_scale / block_scale))``. A block whose scale is
-        zero (an all-zero block, or one whose scale underflows FP8) encodes
-        as zeros; no NaN is ever produced.
+    Returns ``(packed, block_scale)``: uint8 [..., K/2] and float8_e4m3fn
+    [..., K/16], linear layout, ``block_scale = fp8(global_scale *
+    amax(block) / 6)``, codes ``e2m1(x * (global_scale / block_scale))``. A
+    block whose scale is zero encodes as zeros; no NaN is produced.
     """
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
@@ -207,15 +190,10 @@ def dequantize_nvfp4(
     global_scale: torch.Tensor | float,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Decode NVFP4 back to ``dtype`` [..., K].
-
-    Args:
-        packed: uint8 [..., K/2].
-        block_scale: float8_e4m3fn [..., K/16], linear layout.
-        global_scale: QUANTIZATION direction, scalar or one per leading index:
-            the result is ``e2m1 * block_scale / global_scale`` (computed in
-            float32, then cast).
-    """
+    """Decode ``packed`` uint8 [..., K/2] with ``block_scale`` float8_e4m3fn
+    [..., K/16] (linear) and a QUANTIZATION-direction ``global_scale`` (scalar
+    or per leading index) to ``e2m1 * block_scale / global_scale`` [..., K]:
+    float32, then cast to ``dtype``."""
     codes = unpack_fp4(packed)
     k = codes.shape[-1]
     if block_scale.shape[-1] * NVFP4_BLOCK_SIZE != k:
@@ -256,42 +234,35 @@ def quantize_nvfp4_b12x_activation(
     W4A4 MoE kernels do, operation for operation in float32.
 
     Read from FlashInfer 0.7.4: ``flashinfer/cute_dsl/fp4_common.py``,
-    ``quantize_block_fp4_fast`` (``fast_math=True``, the wrapper's default)
-    and ``quantize_block_fp4``, as called for FC1's input (``input_global_scale
-    [expert]``, or ``w1_alpha[expert]`` without it) and FC2's input
-    (``fc2_input_scale[expert]``, in ``moe_static_kernel.py``,
-    ``quantize_q1_sC_to_sA_sSFA``; the micro and dynamic kernels call the same
-    functions). For one 16-element block with ``m = max |x|`` and the API scale
-    ``d`` (``1 / d`` first when ``scales_are_reciprocal``, the kernels'
-    ``input_scales_are_reciprocal``)::
+    ``quantize_block_fp4_fast`` (``fast_math=True``, the default) and
+    ``quantize_block_fp4``, as called for FC1's input (``input_global_scale
+    [expert]``, or ``w1_alpha[expert]``) and FC2's (``fc2_input_scale
+    [expert]``, ``moe_static_kernel.py``: ``quantize_q1_sC_to_sA_sSFA``; the
+    micro and dynamic kernels call the same). Per 16-element block, ``m = max
+    |x|``, API scale ``d`` (inverted first when ``scales_are_reciprocal``)::
 
         fast:    g = rcp(d); s = g * (m * rcp(6)); inv = rcp(e4m3(s)) * g
         precise: s = m / (6 * d);                  inv = 1 / (e4m3(s) * d)
         block scale = e4m3(min(s, 448)) (round to nearest even, saturating)
         codes = e2m1(x * inv)          (round to nearest even, saturating at 6)
 
-    ``d`` is so the DEQUANTIZATION-direction global scale (``amax / (448 *
-    6)``, ModelOpt's ``input_scale``): the MMA reads ``codes * block_scale``,
-    about ``x / d``, and the kernel multiplies the GEMM's output by ``d``
-    through its alpha. A block whose scale rounds to 0 (``m / d`` below about
-    ``6 * 2^-10``) gets codes 0. ``rcp`` is modelled as a correctly rounded
-    reciprocal that flushes subnormals (``rcp.approx.ftz.f32``); on the GPU
-    it is within one ulp, so a value within an ulp of an E4M3 or E2M1
-    rounding boundary may round the other way there. NaN inputs are not
-    modelled.
+    ``d`` is the DEQUANTIZATION-direction scale (ModelOpt's ``input_scale``);
+    a block whose scale rounds to 0 gets codes 0. ``rcp`` is modelled
+    correctly rounded with subnormals flushed (``rcp.approx.ftz.f32``); the
+    GPU's is within one ulp, so values within an ulp of a rounding boundary
+    may round the other way there. NaN inputs are not modelled.
 
     Args:
         x: bfloat16, float16 or float32, K a multiple of 16 (the kernels read
             BF16: round first to model them).
-        input_scale: ``d``, finite and positive: a scalar, or one per leading
-            index (per expert for x of shape [E, T, K]).
-        fast_math: the kernels' ``fast_math`` flag.
-        scales_are_reciprocal: ``input_scale`` holds ``1 / d``.
+        input_scale: ``d``: a scalar, or one per leading index (per expert).
+        fast_math: the kernels' ``fast_math``.
+        scales_are_reciprocal: their ``input_scales_are_reciprocal``
+            (``input_scale`` holds ``1 / d``).
 
     Returns:
         ``(packed, block_scale)``: uint8 [..., K/2] and float8_e4m3fn
-        [..., K/16], linear layout. ``dequantize_nvfp4(packed, block_scale,
-        1.0)`` is the MMA's operand (about ``x / d``).
+        [..., K/16], linear layout; the MMA's operand is about ``x / d``.
 
     Raises:
         TypeError: ``x`` of another dtype.
@@ -333,11 +304,8 @@ def quantize_nvfp4_b12x_activation(
 
 
 def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
-    """QUANTIZATION-direction global scale ``448 * 6 / amax`` (float32).
-
-    ``amax`` is a scalar or one per expert. An all-zero tensor (amax 0) gets
-    1.0, since any scale encodes zeros; the result is always finite.
-    """
+    """QUANTIZATION-direction global scale ``448 * 6 / amax``, float32, of a
+    scalar or per-expert ``amax``; always finite (amax 0 gets 1.0)."""
     a = torch.as_tensor(amax, dtype=torch.float32)
     gs = (FLOAT8_E4M3_MAX * FLOAT4_E2M1_MAX) / a
     gs = gs.clamp(max=torch.finfo(torch.float32).max)
@@ -345,27 +313,23 @@ def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
 
 
 def global_scale_from_modelopt(scale_2: torch.Tensor) -> torch.Tensor:
-    """ModelOpt ``weight_scale_2`` / ``input_scale`` (DEQUANTIZATION direction,
-    ``amax / (448 * 6)``) -> quantization-direction global scale (1 / x)."""
+    """ModelOpt ``weight_scale_2`` / ``input_scale`` (dequantization) -> 1 / x."""
     return 1.0 / scale_2.float()
 
 
 def global_scale_to_modelopt(global_scale: torch.Tensor) -> torch.Tensor:
-    """Quantization-direction global scale -> ModelOpt ``weight_scale_2`` /
-    ``input_scale`` (dequantization direction, 1 / x)."""
+    """Global scale -> ModelOpt ``weight_scale_2`` / ``input_scale``: 1 / x."""
     return 1.0 / global_scale.float()
 
 
 def global_scale_from_compressed_tensors(global_scale_ct: torch.Tensor) -> torch.Tensor:
     """compressed-tensors ``weight_global_scale`` / ``input_global_scale``
-    (stored already in the QUANTIZATION direction, i.e. the inverse of
-    ModelOpt's ``weight_scale_2``) -> quantization-direction global scale."""
+    (already the quantization direction) -> a float32 copy."""
     return global_scale_ct.float().clone()
 
 
 def global_scale_to_compressed_tensors(global_scale: torch.Tensor) -> torch.Tensor:
-    """Quantization-direction global scale -> compressed-tensors'
-    ``weight_global_scale`` (the same direction; float32 copy)."""
+    """Global scale -> compressed-tensors' ``weight_global_scale``: a float32 copy."""
     return global_scale.float().clone()
 
 
@@ -438,15 +402,9 @@ def blockscale_mma_layout_view(
 ) -> torch.Tensor:
     """The MMA-layout view of swizzled block scales that the b12x kernel takes.
 
-    Args:
-        swizzled: contiguous swizzled scales of ``num_groups`` groups (experts),
-            e.g. [E, Rp, Cp] from :func:`swizzle_blockscale`.
-        m: rows of the weight (unpadded).
-        k: the weight's unpacked K (scale columns = k / 16, unpadded).
-        num_groups: E.
-
-    Returns:
-        A view (no copy) of logical shape (32, 4, m_tiles, 4, k_tiles, E),
+    ``swizzled``: contiguous, ``num_groups`` (E) groups, e.g. [E, Rp, Cp] from
+    :func:`swizzle_blockscale`, of an unpadded m x k weight (k unpacked).
+    Returns a view (no copy) of logical shape (32, 4, m_tiles, 4, k_tiles, E),
         indexed (outer_m, inner_m, m_tile, inner_k, k_tile, group), over the
         storage (E, m_tiles, k_tiles, 32, 4, 4): the bytes of the 128x4
         swizzle. The scale of row ``r``, scale column ``c`` of group ``g`` is
@@ -467,16 +425,12 @@ def blockscale_mma_layout_view(
 
 
 def mma_layout_to_linear(mma: torch.Tensor, m: int, k: int) -> torch.Tensor:
-    """Read an MMA-layout view back into linear block scales [E, m, k/16].
-
-    Gathers every scale from the position the kernel reads it from (see
-    :func:`blockscale_mma_layout_view`); returns a new contiguous tensor.
-    """
+    """An MMA-layout view (:func:`blockscale_mma_layout_view`) read back into
+    new, contiguous linear block scales [E, m, k/16]."""
     cols = k // NVFP4_BLOCK_SIZE
     r = torch.arange(m, device=mma.device).view(m, 1)
     c = torch.arange(cols, device=mma.device).view(1, cols)
-    # [m, cols, E]
-    linear = mma[r % 32, (r % 128) // 32, r // 128, c % 4, c // 4, :]
+    linear = mma[r % 32, (r % 128) // 32, r // 128, c % 4, c // 4, :]  # [m, cols, E]
     return linear.permute(2, 0, 1).contiguous()
 
 
