@@ -863,6 +863,57 @@ def test_launch_arguments_under_expert_parallelism_without_flashinfer(ep_rank):
     assert kw["top_k"] == 3
 
 
+def test_apply_launches_with_the_layers_expert_map(monkeypatch):
+    # The kernel experts' apply under expert parallelism hands its expert map
+    # on to launch_sm120_moe (a recorder here, FlashInfer not needed): rank 1
+    # of 2 holds global experts 4..7 at local 0..3.
+    import sys
+
+    from vllm.model_executor.layers.fused_moe.experts import flashinfer_b12x_moe as m
+    from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
+        Support,
+    )
+
+    e, h, i = 4, 256, 128
+    layer = _w4a16_layer(2 * e, h, i, True, ep_rank=1, ep_size=2)
+    _load_through_loader(layer, _tensors(2 * e, h, i, True, seed=16))
+    _prepare(layer)
+    experts = layer.quant_method.experts
+    experts.__class__ = m.FlashInferB12xExperts  # the emulation's base
+    experts._flashinfer_packed = packed = object()  # FlashInfer's object
+    calls = []
+    dispatch = types.SimpleNamespace(launch_sm120_moe=lambda **kw: calls.append(kw))
+    monkeypatch.setitem(
+        sys.modules,
+        "flashinfer.fused_moe.cute_dsl.blackwell_sm12x",
+        types.SimpleNamespace(moe_dispatch=dispatch),
+    )
+    monkeypatch.setattr(m, "flashinfer_w4a16_prepared_call", Support.yes)
+    x = torch.zeros(3, h, dtype=torch.bfloat16)
+    ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int32)
+    out = torch.empty_like(x)
+    experts.apply(
+        out,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        torch.ones(3, 2),
+        ids,
+        experts.moe_config.activation,
+        2 * e,
+        layer.expert_map,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+    (kw,) = calls
+    assert kw["_prepared_weights"] is packed and kw["scatter_output"] is out
+    assert kw["expert_map"].tolist() == [-1] * 4 + [0, 1, 2, 3]
+
+
 def test_w4a16_layer_takes_the_alpha_mode_only():
     # W4A4's experts options: "alpha" (what W4A16 does) is accepted, "fold"
     # refused with the reason; a geometry the layout cannot hold is named.
