@@ -499,6 +499,7 @@ def test_w13_and_w2_with_different_scale_exponents(shifted):
     assert (x13, x2) == ((4, 0) if shifted == "w13" else (0, 4))
     layer = _w4a16_layer(e, h, i, True)
     _load_through_loader(layer, t)
+    loaded = {n: bytes_of(p.detach()).clone() for n, p in layer.named_parameters()}
     _prepare(layer)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(12, h, generator=gen).bfloat16()
@@ -510,6 +511,10 @@ def test_w13_and_w2_with_different_scale_exponents(shifted):
     pw = layer.quant_method.experts.prepared
     want = w4a16_global_scale(t["w2_weight_scale_2"], x2)
     assert torch.equal(pw.w2_global_scale, want)
+    # The restore unpacks each weight's scales with its own exponent too.
+    layer.quant_method.restore_load_layout(layer)
+    for n, p in layer.named_parameters():
+        assert torch.equal(bytes_of(p.detach()), loaded[n]), n
 
 
 def test_emulation_rounds_fc1_and_the_activation_to_bf16():
