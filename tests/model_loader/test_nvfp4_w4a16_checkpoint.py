@@ -326,6 +326,22 @@ CT_OK = {
         },
         [W4A4, W4A4, W4A16],
     ),
+    "a group ranks by its most specific target": (
+        {
+            "a": _group([r"re:.*experts.*"], NVFP4),
+            "b": _group(
+                [
+                    "Linear",
+                    *(
+                        f"{EXPERTS.format(2)}.{e}.{p}"
+                        for e in range(E)
+                        for p in ("gate_proj", "up_proj", "down_proj")
+                    ),
+                ]
+            ),
+        },
+        [W4A4, W4A4, W4A16],
+    ),
     "FP8 group for attention": (
         {
             "a": _group(["Linear"]),
