@@ -37,6 +37,7 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     FlashInferB12xExperts,
 )
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import weight_checksum
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
@@ -93,6 +94,15 @@ def test_the_checksum_sees_a_permutation_of_the_bytes(monkeypatch):
     data.copy_(rolled)
     with pytest.raises(RuntimeError, match=r"w2_weight modified in place.*bytes"):
         layer(*_io(shape))
+
+
+def test_the_checksum_sees_rows_of_a_power_of_two_size_swapped():
+    # Weights' rows are powers of two bytes long: position weights with a
+    # period of 2^16 would give two 64 KiB rows the same weights, so their
+    # swap would keep the checksum (the prime modulus does not).
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 256, (2, 1 << 16), dtype=torch.uint8, generator=gen)
+    assert weight_checksum(rows) != weight_checksum(rows.flip(0))
 
 
 def test_data_copy_into_a_prepared_layer_is_refused_in_verify_mode(monkeypatch):
