@@ -230,6 +230,11 @@ def test_reciprocals_flush_subnormals():
     check_against_oracle(x, d, fast=False)
     # And the reciprocal flag's own reciprocal: 1 / d of a tiny d.
     check_against_oracle(x, 2.0**-127 * 3, reciprocal=True)
+    # A subnormal d reads as 0 (rcp: inf): the block scale saturates at 448
+    # (1 / d unflushed, 2^127, would give about 21) and so does every code.
+    small = torch.full((1, 16), 2.0**-120).bfloat16()
+    packed, scale = quantize_nvfp4_b12x_activation(small, 2.0**-127)
+    assert scale.float().item() == 448.0 and (unpack_fp4(packed) == 7).all()
 
 
 def test_mma_operand_times_scale_recovers_the_activation():
