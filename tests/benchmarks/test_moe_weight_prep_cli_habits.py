@@ -4,13 +4,14 @@
 the ids the tool prints, one JSON layout, outputs checked before the run and
 written whole, the precision report's cost and what it says."""
 
+import argparse
 import json
 import os
 
 import pytest
 
 from vllm.entrypoints.cli.main import main, make_parser
-from vllm.utils.argparse_utils import available_cores
+from vllm.utils.argparse_utils import available_cores, core_count
 
 PROG = "vllm bench moe-weight-prep"
 HINT = f"Try '{PROG} --help' for more information."
@@ -171,6 +172,17 @@ def test_negative_values_that_are_numbers_still_parse():
         ["--model", "mixtral-8x7b", "--seed", "-3", "-tp", "2", "-ep"]
     )
     assert args.seed == -3 and args.tp == 2 and args.enable_expert_parallel
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no affinity mask")
+def test_busy_cores_are_bounded_by_the_cores_this_process_may_run_on(monkeypatch):
+    # The affinity mask (taskset, a container's cpuset), not the machine's
+    # count: one allowed core of 64 takes --busy-cores 1, not 2.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert available_cores() == 1 and core_count("1") == 1
+    with pytest.raises(argparse.ArgumentTypeError, match="must be at most 1 "):
+        core_count("2")
 
 
 def _example(path, activation="silu", layers=1, experts=8):
