@@ -346,6 +346,30 @@ def test_a_param_weight_loader_writing_into_a_prepared_layer_is_refused():
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
 
 
+@pytest.mark.parametrize("how", ["layer", "deepcopy"])
+def test_a_param_weight_loader_writing_between_steps_is_refused(how):
+    # An interrupted preparation (some steps done), then a write through a
+    # vLLM loader into the half-prepared bytes: resuming would finish a mix
+    # of layouts, so it is refused and the restore tears the layer; a copy
+    # of the layer remembers the write.
+    shape = UNPADDED
+    layer = _layer(shape, _tensors(*shape, seed=1))
+    for p in layer.parameters():
+        p.weight_loader = _vllm_style_loader(layer)
+    for _, step in layer.quant_method.preparation_steps(layer)[:3]:
+        step()
+    assert layer.weight_prep_state.status is PrepStatus.PREPARING
+    new = _tensors(*shape, seed=2)["w13_weight"][0, : shape[2]]
+    layer.w13_weight.weight_loader(layer.w13_weight, new, "w13_weight", "w1", 0)
+    if how == "deepcopy":
+        layer = copy.deepcopy(layer)
+    with pytest.raises(RuntimeError, match="w13_weight written through its weight"):
+        _prepare(layer)
+    layer.quant_method.restore_load_layout(layer)
+    with pytest.raises(RuntimeError, match="torn"):
+        _prepare(layer)
+
+
 def test_restore_then_param_weight_loaders_equal_a_fresh_layer():
     shape = UNPADDED
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
