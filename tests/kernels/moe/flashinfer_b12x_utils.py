@@ -203,10 +203,13 @@ def apply_experts(
     topk_ids: torch.Tensor,
     activation: MoEActivation,
     global_num_experts: int,
+    *,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' output [M, K] (``hidden_states.dtype``, on their device)
     for one call with the 15 arguments vLLM's modular kernel passes, on the
-    layer's weights: one rank (no expert map), no input quantization by the
+    layer's weights: one rank unless ``expert_map`` (the layer's, under
+    expert parallelism) is given, no input quantization by the
     caller (b12x quantizes BF16 inputs itself), router weights applied by
     the experts (their finalize is a no-op), no workspaces (b12x manages its
     own).
@@ -226,7 +229,7 @@ def apply_experts(
         topk_ids,
         activation,
         global_num_experts,
-        None,  # expert_map
+        expert_map,
         None,  # a1q_scale
         None,  # a2_scale
         None,  # workspace13

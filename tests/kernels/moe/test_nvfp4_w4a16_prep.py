@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+from tests.kernels.moe.flashinfer_b12x_utils import apply_experts
 from tests.kernels.moe.moe_reference import torch_moe, torch_topk
 from tests.kernels.moe.test_nvfp4_moe_prep_state import (
     Interrupt,
@@ -896,23 +897,15 @@ def test_apply_launches_with_the_layers_expert_map(monkeypatch):
     monkeypatch.setattr(m, "flashinfer_w4a16_prepared_call", Support.yes)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int32)
-    out = torch.empty_like(x)
-    experts.apply(
-        out,
+    out = apply_experts(
+        experts,
+        layer,
         x,
-        layer.w13_weight,
-        layer.w2_weight,
         torch.ones(3, 2),
         ids,
         experts.moe_config.activation,
         2 * e,
-        layer.expert_map,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
+        expert_map=layer.expert_map,
     )
     (kw,) = calls
     assert kw["_prepared_weights"] is packed and kw["scatter_output"] is out
