@@ -172,7 +172,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         prs.append(PullRequest(p["id"], p["title"], p["doc"], tuple(p.get("new", ()))))
         files += [FileEntry(f, p["id"], f, new=True) for f in p.get("new", ())]
     order = [p.id for p in prs]
-    may = {"src", "replace", "add", "drop", "edits", "envs", "sha256"}
+    may = {"src", "new", "replace", "add", "drop", "edits", "envs", "sha256"}
     for f in top.get("files", ()):
         f = _table(f, "files", {"path", "pr"}, may)
         if f["pr"] not in order:
@@ -189,7 +189,16 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         src, envs = f.get("src", f["path"]), tuple(f.get("envs", ()))
         sha = f.get("sha256", {})
         files.append(
-            FileEntry(f["path"], f["pr"], src, False, *lists, tuple(edits), envs, sha)
+            FileEntry(
+                f["path"],
+                f["pr"],
+                src,
+                bool(f.get("new")),
+                *lists,
+                tuple(edits),
+                envs,
+                sha,
+            )
         )
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed
     bk = top.get("buildkite")
