@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import ast
 import hashlib
+import io
 import os
 import re
 import sys
 import textwrap
+import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,8 +266,15 @@ def _find(module: cst.Module, qualname: str, who: str) -> cst.CSTNode:
 
 
 def source_hash(module: cst.Module, qualname: str, who: str = "") -> str:
-    """sha256 of a definition's source with its whitespace runs collapsed."""
-    text = " ".join(_code(_find(module, qualname, who)).split())
+    """sha256 of a definition's tokens: its source normalised only for
+    whitespace (line breaks inside brackets, spacing; indentation kept)."""
+    lines = io.StringIO(_code(_find(module, qualname, who))).readline
+    skip = {tokenize.NL, tokenize.ENDMARKER}
+    text = " ".join(
+        t.string if t.string.strip() else tokenize.tok_name[t.type]
+        for t in tokenize.generate_tokens(lines)
+        if t.type not in skip
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -653,7 +662,6 @@ def _apply_entry(
     for q in e.add:
         nodes.append(_find(br, q, bwho))
         up = _add(up, br, q, who)
-    placed |= {q for q in (*e.replace, *e.add) if "." not in q}
     reads = _reads(*nodes)
     for edit in e.edits:
         up, more = _edit(up, br, edit, who)
@@ -753,9 +761,13 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             raise BranchError(f"{who}: the release {there} this file")
         if not e.new:
             module = _parse(texts.setdefault(e.path, _read(tree / e.path, who)), who)
-            for name in sorted(set(e.changed) | set(recorded[e.path])):
+            for name in sorted({*e.changed, *e.sha256.get(version, {})}):
                 drift(e.path, module, name, "the branch changes it")
-    placed: dict[str, set[str]] = {}
+    placed: dict[str, set[str]] = {}  # top-level names the branch puts in a file
+    for e in manifest.files:
+        placed.setdefault(e.path, set()).update(
+            q for q in (*e.replace, *e.add) if "." not in q
+        )
     for e in entries:
         who = f"vllm {version}: {e.path}"
         if e.new:
@@ -768,7 +780,7 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             texts[e.path],
             repo,
             who,
-            placed.setdefault(e.path, set()),
+            placed[e.path],
             manifest.package,
         )
         for name in sorted(relied):
