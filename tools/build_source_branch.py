@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Build vLLM's source releases as git branches carrying the series.
 
-    python tools/build_source_branch.py [--release V ...] [--local DIR]
+    python tools/build_source_branch.py [--release V ...] [--local DIR ...]
         [--fresh] [--no-install] [--check-wheel FORK_WHEEL]
 
 Per release (default: every release of tools/fork_manifest.toml):
@@ -35,11 +35,6 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-try:
-    from tools import fork_branch
-except ImportError:  # run as `python tools/build_source_branch.py`
-    import fork_branch
 
 __all__ = ["AUTHOR", "BRANCH", "SourceError", "build_release", "install", "main"]
 
@@ -84,32 +79,35 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def fetch(name: str, sha256: str, version: str, out: Path, local: Path | None) -> Path:
-    """``out/name`` with the manifest's sha256: from ``local``, or pip."""
-    target = out / name
-    if local is not None and (local / name).is_file() and not target.is_file():
-        shutil.copyfile(local / name, target.with_suffix(".part"))
-        os.replace(target.with_suffix(".part"), target)
+def fetch(name: str, sha256: str, version: str, out: Path, local=()) -> Path:
+    """``out/name`` with the manifest's sha256: copied from the first folder
+    of ``local`` holding it, else downloaded with pip."""
+    target, source = out / name, "pip download"
+    for folder in local if not target.is_file() else ():
+        if (folder / name).is_file():
+            source = str(folder / name)
+            shutil.copyfile(folder / name, target.with_suffix(".part"))
+            os.replace(target.with_suffix(".part"), target)
+            break
     if not target.is_file():
-        sdist = name.endswith(".tar.gz")
         print(f"downloading {name} with pip", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d"]
-        cmd += [str(out), f"vllm=={version}"]
-        cmd += ["--no-binary", ":all:", "--no-build-isolation"] if sdist else []
-        cmd += [] if sdist else ["--only-binary", ":all:", "--python-version", "3.11"]
-        cmd += [] if sdist else ["--platform", "manylinux_2_28_x86_64"]
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+        cmd += ["-d", str(out), f"vllm=={version}"]
+        if name.endswith(".tar.gz"):  # setup.py runs for the metadata
+            cmd += ["--no-binary", ":all:", "--no-build-isolation"]
+        else:
+            cmd += ["--only-binary", ":all:", "--python-version", "3.11"]
+            cmd += ["--platform", "manylinux_2_28_x86_64"]
         env = {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": version}
         if subprocess.run(cmd, env={**os.environ, **env}).returncode:
             raise SourceError(f"pip download vllm=={version} failed (see above)")
         if not target.is_file():
             raise SourceError(f"pip download did not write {target}")
     if (got := _sha256(target)) != sha256:
-        kept = f"{local / name} is left as it is" if local else "removed"
-        if not local:
-            target.unlink()
+        target.unlink()  # our copy; the source is left as it is
         raise SourceError(
-            f"{name}: sha256 {got}, expected {sha256} (the manifest's for vllm "
-            f"{version}); not used ({kept})"
+            f"{name} ({source}): sha256 {got}, expected {sha256} (the "
+            f"manifest's for vllm {version}); not used"
         )
     return target
 
@@ -138,29 +136,46 @@ def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
 
 
 def _check_ours(tree: Path, version: str, author: str) -> None:
-    """Refuse a tree with anything the command did not make."""
-    fresh = "pass --fresh to delete it and start afresh"
+    """Refuse a tree holding anything the command did not make."""
+    fresh = "kept as they are; pass --fresh to delete the tree and start afresh"
     if not (tree / ".git").is_dir():
         raise SourceError(f"{tree} exists and is not a git tree this made; {fresh}")
+    tag = f"v{version}"
     try:
-        git(tree, "rev-parse", "-q", "--verify", f"refs/tags/v{version}")
-        head = git(tree, "symbolic-ref", "-q", "--short", "HEAD")
+        git(tree, "rev-parse", "-q", "--verify", f"refs/tags/{tag}")
     except SourceError:
-        raise SourceError(f"{tree}: no tag v{version} or no branch; {fresh}") from None
+        raise SourceError(f"{tree} has no tag {tag}; {fresh}") from None
+    head = git(tree, "rev-parse", "--abbrev-ref", "HEAD")  # "HEAD": detached
     if head == WIP:  # an interrupted series: its half-applied files are ours
         return
-    status = git(tree, "status", "--porcelain", "--untracked-files=all")
-    authors = git(tree, "log", "--format=%an <%ae>|%cn <%ce>", f"v{version}..{head}")
-    foreign = {a for line in authors.splitlines() for a in line.split("|")} - {author}
-    if head != BRANCH or status or foreign:
-        why = "changes not made by this command" if status else "commits of its own"
+    if status := git(tree, "status", "--porcelain", "--untracked-files=all"):
+        n = len(status.splitlines())
         raise SourceError(
-            f"{tree} has {why if head == BRANCH else f'branch {head} checked out'} "
-            f"(kept as they are); commit them elsewhere or {fresh}"
+            f"{tree} has changes not made by this command ({n} paths); {fresh}"
         )
+    tip = BRANCH if git(tree, "branch", "--list", BRANCH) else tag
+    on_series = (
+        head == "HEAD"
+        and not subprocess.run(
+            ["git", "-C", str(tree), "merge-base", "--is-ancestor", "HEAD", tip]
+        ).returncode
+    )
+    if head != BRANCH and not on_series:
+        raise SourceError(f"{tree} has {head} checked out, not {BRANCH}; {fresh}")
+    log = git(tree, "log", "--format=%an <%ae>%n%cn <%ce>", f"{tag}..{tip}")
+    if set(log.splitlines()) - {author}:
+        raise SourceError(f"{tree} has commits not made by this command; {fresh}")
 
 
-def _message(pr: fork_branch.PullRequest, repo: Path, author: str) -> str:
+def _engine():
+    try:
+        from tools import fork_branch
+    except ImportError:  # run as `python tools/build_source_branch.py`
+        import fork_branch
+    return fork_branch
+
+
+def _message(pr, repo: Path, author: str) -> str:
     text = (repo / pr.doc).read_text(encoding="utf-8").strip().splitlines()
     body = "\n".join(text[1:] if text and text[0].startswith("# ") else text)
     return f"{pr.title}\n\n{body.strip()}\n\nSigned-off-by: {author}\n"
@@ -254,7 +269,7 @@ def install(
         "--no-deps",
         "-e",
         str(tree),
-        env=_precompiled(wheel, version),
+        env=_precompiled(wheel, f"{version}+cpu"),  # +cpu: vLLM's CPU platform
     )
     git(tree, "checkout", "-q", "--", "vllm/_version.py")  # setuptools-scm's
     found = subprocess.run(
@@ -300,16 +315,17 @@ def check_wheel(tree: Path, wheel: Path, version: str, fork_wheel: Path) -> str:
 def build_release(
     version: str,
     *,
-    manifest: fork_branch.Manifest,
+    manifest,
     build: Path,
     dist: Path,
-    local: Path | None = None,
+    local: Sequence[Path] = (),
     fresh: bool = False,
     author: str = AUTHOR,
     repo: Path = ROOT,
-    apply: Callable = fork_branch.apply_branch,
+    apply: Callable | None = None,
 ) -> tuple[Path, Path, Path]:
-    """(tree, release wheel, patches folder) of ``version``, built or rebuilt."""
+    """(tree, release wheel, patches folder) of ``version``, built or rebuilt;
+    ``apply``: tools/fork_branch.py's apply_branch unless given."""
     release = manifest.release(version)
     tree = build / f"vllm-{version}"
     if tree.exists() and fresh:
@@ -321,7 +337,7 @@ def build_release(
     wheel = fetch(release.wheel, release.wheel_sha256, version, build, local)
     if not tree.exists():
         _unpack(sdist, version, tree, author)
-    _series(tree, version, manifest, repo, author, apply)
+    _series(tree, version, manifest, repo, author, apply or _engine().apply_branch)
     return tree, wheel, _patches(tree, version, dist, author)
 
 
@@ -349,7 +365,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--release", action="append", help="default: the manifest's releases"
     )
-    p.add_argument("--local", type=Path, help="a folder holding the sdists and wheels")
+    p.add_argument(
+        "--local",
+        type=Path,
+        action="append",
+        default=[],
+        help="a folder holding sdists or wheels",
+    )
     p.add_argument("--fresh", action="store_true", help="delete existing trees first")
     p.add_argument("--no-install", action="store_true", help="no editable install")
     p.add_argument(
@@ -367,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SourceError(
                 "git is not installed; the source trees are git repositories"
             )
-        manifest = fork_branch.load_manifest()
+        manifest = _engine().load_manifest()
         versions = args.release or list(manifest.releases)
         _check_disk(build, versions, not args.no_install)
         built = {}
@@ -389,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tree, wheel, _ = built[versions[0]]
             install(tree, wheel, versions[0])
             print(f"import vllm: {tree}/vllm (editable, {sys.prefix})")
-    except (SourceError, fork_branch.BranchError, OSError, KeyError) as exc:
+    except (SourceError, ValueError, OSError) as exc:  # BranchError: a ValueError
         print(f"build_source_branch: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -108,7 +108,7 @@ def _build(env, apply=None, **kw):
         manifest=env.manifest,
         build=env.build,
         dist=env.dist,
-        local=env.local,
+        local=[env.local],
         repo=env.repo,
         apply=apply or _engine(),
         **kw,
@@ -163,7 +163,8 @@ def test_another_sha256_is_refused_and_the_file_kept(env):
     _sdist(sdist, {**SDIST_FILES, "vllm/a.py": b"tampered\n"})
     before = sdist.read_bytes()
     with pytest.raises(
-        bsb.SourceError, match=r"vllm-9\.9\.0\.tar\.gz: sha256 [0-9a-f]{64}, expected"
+        bsb.SourceError,
+        match=r"vllm-9\.9\.0\.tar\.gz \(.*local.*\): sha256 [0-9a-f]{64}, expected",
     ):
         _build(env)
     assert sdist.read_bytes() == before
@@ -198,7 +199,13 @@ def test_a_tree_changed_by_hand_is_refused_kept_and_fresh_restarts(env, change):
     else:
         _git(tree, "checkout", "-q", "-b", "mine")
     head = _git(tree, "rev-parse", "HEAD")
-    with pytest.raises(bsb.SourceError, match="kept as they are.*--fresh"):
+    why = {
+        "edit": "changes not made",
+        "untracked": "changes not made",
+        "commit": "commits not made",
+        "branch": "has mine checked out",
+    }[change]
+    with pytest.raises(bsb.SourceError, match=f"{why}.*kept as they are.*--fresh"):
         _build(env)
     assert _git(tree, "rev-parse", "HEAD") == head
     assert change == "branch" or "my work" in "".join(
@@ -213,7 +220,9 @@ def test_a_folder_that_is_not_our_git_tree_is_refused(env):
     tree = env.build / f"vllm-{V}"
     tree.mkdir(parents=True)
     (tree / "notes.txt").write_text("mine")
-    with pytest.raises(bsb.SourceError, match="not a git tree this made.*--fresh"):
+    with pytest.raises(
+        bsb.SourceError, match="not a git tree this made; kept as they are.*--fresh"
+    ):
         _build(env)
     assert (tree / "notes.txt").read_text() == "mine"
 

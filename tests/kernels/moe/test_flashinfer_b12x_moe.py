@@ -10,10 +10,9 @@ arguments: flashinfer_b12x_utils.apply_experts), on a layer holding the
 checkpoint's tensors. Every case runs on both backends:
 ``flashinfer_b12x`` is skipped, with the reason, where the kernel cannot run;
 the emulation, which shares every line of the weight preparation, runs
-everywhere. The names imported here are vLLM 0.33.0's and this branch's, and
-the helpers' modules (flashinfer_b12x_utils.py, moe_reference.py) are new
-files in upstream's test tree, so the file also runs there, in vLLM 0.33.0
-with the branch built in (tests/upstream/test_upstream_test_layout.py).
+everywhere. The reference is moe_reference.py's pure-torch MoE: upstream's
+``torch_moe`` builds vLLM's activation ops, which need a ``VllmConfig``, and
+on a CPU machine that needs triton-cpu.
 """
 
 import pytest
@@ -22,13 +21,13 @@ import torch
 from tests.kernels.moe.flashinfer_b12x_utils import (
     NVFP4ExpertsLayer,
     apply_experts,
-    b12x_moe_config,
     b12x_quant_config,
     bf16_experts,
     dequantized_experts,
     quantize_experts_modelopt,
 )
 from tests.kernels.moe.moe_reference import rel_rms_error, torch_moe, torch_topk
+from tests.kernels.moe.utils import make_dummy_moe_config
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     flashinfer_w4a16_prepared_call,
@@ -120,11 +119,26 @@ def _swap_halves(w1: torch.Tensor) -> torch.Tensor:
     return torch.cat([w1[:, half:], w1[:, :half]], dim=1)
 
 
-def _config(e, topk, k, n, activation, max_num_tokens=256):
+def _config(e, topk, k, n, activation):
+    def make(act):
+        return make_dummy_moe_config(
+            num_experts=e,
+            experts_per_token=topk,
+            hidden_dim=k,
+            intermediate_size=n,
+            activation=act,
+        )
+
     try:
-        return b12x_moe_config(e, topk, k, n, activation, max_num_tokens)
-    except NotImplementedError as err:  # vLLM's config, non-gated, off CUDA
-        pytest.skip(f"vLLM's FusedMoEConfig refuses this layer here: {err}")
+        return make(activation)
+    except NotImplementedError:
+        # FusedMoEConfig refuses a non-gated activation off CUDA, XPU and
+        # ROCm, where the FusedMoE layer cannot run one. The experts do not
+        # depend on the platform: the config those build, the gated one with
+        # the layer's activation (nothing else in it depends on it).
+        config = make(MoEActivation.SILU)
+        config.activation = activation
+        return config
 
 
 def _prepared(cls, tensors, e, topk, k, n, activation, device, **kwargs):

@@ -25,6 +25,12 @@ from tests.kernels.moe.flashinfer_b12x_utils import (
 )
 from tests.kernels.moe.moe_reference import rel_rms_error
 from tests.kernels.utils import random_bits
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.config import (
+    FusedMoEConfig,
+    FusedMoEParallelConfig,
+    RoutingMethodType,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     dequantize_nvfp4,
     global_scale_from_modelopt,
@@ -37,6 +43,7 @@ __all__ = [
     "dequantized_experts",
     "fold_reference",
     "load_nvfp4_experts",
+    "make_dummy_moe_config",
     "make_nvfp4_layer",
     "quantize_experts_modelopt",
     "random_layer_tensors",
@@ -189,3 +196,30 @@ def load_nvfp4_experts(layer: torch.nn.Module, tensors: dict) -> None:
         for name, value in tensors.items():
             param = getattr(layer, name)
             param.copy_(value.reshape(param.shape).to(param.device))
+
+
+def make_dummy_moe_config(
+    num_experts: int = 1,
+    experts_per_token: int = 1,
+    hidden_dim: int = 1,
+    intermediate_size: int = 1,
+    in_dtype: torch.dtype = torch.bfloat16,
+    max_num_tokens: int = 512,
+    activation: MoEActivation = MoEActivation.SILU,
+) -> FusedMoEConfig:
+    """A one-rank ``FusedMoEConfig``, called as upstream's test helper of this
+    name is (tests/kernels/moe/utils.py there)."""
+    return FusedMoEConfig(
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        hidden_dim=hidden_dim,
+        intermediate_size=intermediate_size,
+        num_local_experts=num_experts,
+        num_logical_experts=num_experts,
+        activation=activation,
+        device="cpu",
+        routing_method=RoutingMethodType.TopK,
+        moe_parallel_config=FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=in_dtype,
+        max_num_tokens=max_num_tokens,
+    )
