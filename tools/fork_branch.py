@@ -41,6 +41,7 @@ __all__ = [
     "PullRequest",
     "Release",
     "apply_branch",
+    "branch_texts",
     "definition_source",
     "load_manifest",
     "release_hashes",
@@ -278,10 +279,9 @@ def source_hash(module: cst.Module, qualname: str, who: str = "") -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def definition_source(path: Path, qualname: str) -> str:
-    """The source text of one definition ("f", "C" or "C.m") of a file."""
-    module = _parse(path.read_text(encoding="utf-8"), str(path))
-    return _code(_find(module, qualname, str(path)))
+def definition_source(text: str, qualname: str, who: str = "") -> str:
+    """The source of one definition ("f", "C" or "C.m") of a module's text."""
+    return _code(_find(_parse(text, who), qualname, who))
 
 
 def _shape(text: str, statement: bool) -> str:
@@ -815,6 +815,19 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             if problem := _missing_import(path, text, texts, tree, manifest.package):
                 raise BranchError(f"vllm {version}: {problem}")
     return texts, report, hashes
+
+
+def branch_texts(
+    tree: Path,
+    version: str,
+    *,
+    repo: Path = ROOT,
+    prs: Sequence[str] | None = None,
+    source: bool = False,
+    manifest: Manifest | None = None,
+) -> dict[str, str]:
+    """What :func:`apply_branch` would write (path -> text), nothing written."""
+    return _run(tree, version, repo, prs, source, manifest, True)[0]
 
 
 def apply_branch(

@@ -3,6 +3,7 @@
 """A tiny synthetic vLLM release, branch and manifest for the tools' tests."""
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -259,17 +260,14 @@ class Toy:
             if p.is_file()
         }
 
-    def wheel(self, out: Path) -> Path:
-        """The release as a wheel (``wheel pack``), named as the manifest says."""
+    def wheel(self, out: Path, plant: tuple[str, str] = ("", "")) -> Path:
+        """The release as a wheel (``wheel pack``), its sha256 in the manifest;
+        ``plant``: (old, new) text replaced in its vllm/ops.py."""
         root = self.root / "wheel-src"
-        _write(root, {p: t for p, t in UPSTREAM.items()})
+        _write(root, {p: t.replace(*plant) for p, t in UPSTREAM.items()})
         info = root / "vllm-1.0.0.dist-info"
-        _write(
-            info,
-            {
-                "WHEEL": "Wheel-Version: 1.0\nGenerator: toy\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-            },
-        )
+        wheel = "Wheel-Version: 1.0\nGenerator: toy\nRoot-Is-Purelib: true\n"
+        _write(info, {"WHEEL": wheel + "Tag: py3-none-any\n"})
         (info / "METADATA").write_text(
             "Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\n"
             'Requires-Dist: toykernels==0.1; platform_machine == "x86_64"\n'
@@ -277,8 +275,12 @@ class Toy:
         )
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "wheel", "pack", str(root), "-d", str(out)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        return out / "vllm-1.0.0-py3-none-any.whl"
+        env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
+        path = out / "vllm-1.0.0-py3-none-any.whl"
+        self.wheel_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.write_manifest()
+        return path
 
 
 def make_toy(root: Path, **kwargs) -> Toy:
