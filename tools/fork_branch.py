@@ -28,7 +28,6 @@ from pathlib import Path
 
 import libcst as cst
 import tomllib
-from libcst.metadata import MetadataWrapper, PositionProvider
 
 __all__ = [
     "DEFAULT_MANIFEST",
@@ -571,42 +570,59 @@ def _edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
     return up.deep_replace(within, within.with_changes(elements=els)), set()
 
 
-def _positions(text: str) -> tuple[list[str], cst.Module, dict]:
-    wrapper = MetadataWrapper(cst.parse_module(text))
-    return (
-        text.splitlines(keepends=True),
-        wrapper.module,
-        wrapper.resolve(PositionProvider),
+def _env_parts(text: str, who: str) -> tuple:
+    """(the ``environment_variables`` dict, its entries by name, the
+    ``if TYPE_CHECKING:`` block, its annotations by name), by ast."""
+    body = ast.parse(text).body
+    assigns = [s for s in body if isinstance(s, (ast.Assign, ast.AnnAssign))]
+    targets = [(getattr(s, "target", None) or s.targets[0], s.value) for s in assigns]
+    named = [v for t, v in targets if getattr(t, "id", "") == "environment_variables"]
+    d = named[0] if named else None
+    tc = next(
+        (
+            s
+            for s in body
+            if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
+        ),
+        None,
     )
+    if not isinstance(d, ast.Dict) or tc is None:
+        raise BranchError(
+            f"{who}: no environment_variables dict or TYPE_CHECKING block"
+        )
+    entries = {
+        k.value: (k, v)
+        for k, v in zip(d.keys, d.values, strict=True)
+        if isinstance(k, ast.Constant)
+    }
+    anns = {ast.unparse(s.target): s for s in tc.body if isinstance(s, ast.AnnAssign)}
+    return d, entries, tc, anns
 
 
 def _envs(text: str, branch: str, names: Sequence[str], who: str) -> str:
     """Add the branch's ``environment_variables`` entries ``names`` (with the
     comment lines above each) and their ``if TYPE_CHECKING:`` annotations."""
-    found = []
-    for src in (text, branch):
-        lines, module, pos = _positions(src)
-        envs = [s for s in module.body if _binds(s) == "environment_variables"]
-        d, tc = envs and envs[0].body[0].value, _type_checking(module)
-        if not isinstance(d, cst.Dict) or tc is None:
-            raise BranchError(f"{who}: no environment_variables dict or TYPE_CHECKING")
-        keys = {ast.literal_eval(_code(el.key)): el for el in d.elements}
-        found.append((lines, pos, d, tc, keys, {_binds(s): s for s in tc.body.body}))
-    (ul, upos, ud, utc, ukeys, _), (bl, bpos, _, _, bkeys, banns) = found
+    (ud, ukeys, utc, _), (_, bkeys, _, banns) = (
+        _env_parts(text, who),
+        _env_parts(branch, who),
+    )
+    ul, bl = text.splitlines(keepends=True), branch.splitlines(keepends=True)
     entries, anns = [], []
     for n in names:
         if n in ukeys or n not in bkeys or n not in banns:
             where = "upstream has" if n in ukeys else "the branch's file lacks"
             raise BranchError(f"{who}: {where} {n} or its annotation")
-        first = bpos[bkeys[n]].start.line
+        key, value = bkeys[n]
+        first = key.lineno
         while bl[first - 2].lstrip().startswith("#"):
             first -= 1
-        entries += bl[first - 1 : bpos[bkeys[n]].end.line]
-        anns += bl[bpos[banns[n]].start.line - 1 : bpos[banns[n]].end.line]
-    if not isinstance(ud.elements[-1].comma, cst.Comma):
+        entries += bl[first - 1 : value.end_lineno]
+        anns += bl[banns[n].lineno - 1 : banns[n].end_lineno]
+    last = ud.values[-1]
+    if not ul[last.end_lineno - 1][last.end_col_offset :].lstrip().startswith(","):
         raise BranchError(f"{who}: upstream's last environment variable has no comma")
-    ul[upos[ud].end.line - 1 : upos[ud].end.line - 1] = entries
-    ul[upos[utc].end.line : upos[utc].end.line] = anns
+    ul[ud.end_lineno - 1 : ud.end_lineno - 1] = entries
+    ul[utc.end_lineno : utc.end_lineno] = anns
     return "".join(ul)
 
 
@@ -678,7 +694,10 @@ def _apply_entry(
             raise BranchError(f"{who}: the branch's code reads {n}; upstream {theirs}")
         elif b == ("def",):
             relied.add(n)
-    out = _drop_unused_imports(up0, _add_imports(up, wanted, package)).code
+    up = _add_imports(up, wanted, package)
+    if e.replace or e.drop or e.edits:  # only these can leave an import unused
+        up = _drop_unused_imports(up0, up)
+    out = up.code
     return (_envs(out, branch_text, e.envs, who) if e.envs else out), relied
 
 
@@ -759,9 +778,11 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
         if (tree / e.path).exists() == e.new:
             there = "already has" if e.new else "has no"
             raise BranchError(f"{who}: the release {there} this file")
+        names = sorted({*e.changed, *e.sha256.get(version, {})})
         if not e.new:
-            module = _parse(texts.setdefault(e.path, _read(tree / e.path, who)), who)
-            for name in sorted({*e.changed, *e.sha256.get(version, {})}):
+            text = texts.setdefault(e.path, _read(tree / e.path, who))
+            module = _parse(text, who) if names else None
+            for name in names:
                 drift(e.path, module, name, "the branch changes it")
     placed: dict[str, set[str]] = {}  # top-level names the branch puts in a file
     for e in manifest.files:
@@ -774,7 +795,7 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             texts[e.path] = _read(repo / e.src, f"{who}: the branch's file")
             report.lines.append(f"{e.path}: new")
             continue
-        pristine = _parse(texts[e.path], who)
+        pristine = texts[e.path]
         texts[e.path], relied = _apply_entry(
             e,
             texts[e.path],
@@ -783,8 +804,9 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             placed[e.path],
             manifest.package,
         )
+        module = _parse(pristine, who) if relied else None
         for name in sorted(relied):
-            drift(e.path, pristine, name, "the branch relies on it")
+            drift(e.path, module, name, "the branch relies on it")
         done = [
             f"{k} {', '.join(getattr(e, k))}"
             for k in ("replace", "add", "drop", "envs")

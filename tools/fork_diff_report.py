@@ -35,7 +35,10 @@ except ImportError:  # run as `python tools/fork_diff_report.py`
         load_manifest,
     )
 
-__all__ = ["HEADER", "diff_rows", "main", "render"]
+__all__ = ["BEGIN", "END", "HEADER", "diff_rows", "main", "quote", "render"]
+
+#: docs/pr/README.md holds the table between these markers.
+BEGIN, END = "<!-- diff-report:begin -->", "<!-- diff-report:end -->"
 
 HEADER = (
     "| release | definition (file) | upstream lines | kept | added | removed |\n"
@@ -68,6 +71,12 @@ def diff_rows(tree: Path, version: str) -> list[tuple]:
                 )
             )
     return rows
+
+
+def quote(row: tuple) -> str:
+    """How a PR page quotes one row."""
+    v, name, _, n, kept, added, removed = row
+    return f"`{name}` in {v}: {kept} of its {n} lines kept, +{added} -{removed}"
 
 
 def render(rows: list[tuple]) -> str:
