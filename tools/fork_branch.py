@@ -104,6 +104,7 @@ class FileEntry:
     edits: tuple[Edit, ...] = ()
     envs: tuple[str, ...] = ()
     sha256: dict[str, dict[str, str]] = field(default_factory=dict)
+    releases: tuple[str, ...] = ()  # only these (a file not in every release)
 
     @property
     def changed(self) -> list[str]:
@@ -128,16 +129,23 @@ class Manifest:
             raise BranchError(f"vllm {version} is not supported ({supported} are)")
         return self.releases[version]
 
-    def entries(self, prs: Sequence[str] | None = None, source: bool = False):
+    def entries(
+        self,
+        prs: Sequence[str] | None = None,
+        source: bool = False,
+        version: str | None = None,
+    ) -> list[FileEntry]:
         """The entries of ``prs`` (None: all), in order; tests/ and .buildkite/
-        paths only for a source tree."""
+        paths only for a source tree; with ``version``, only that release's."""
         known = [p.id for p in self.prs]
         if unknown := set(prs or ()) - set(known):
             raise BranchError(f"no PR {sorted(unknown)[0]!r} (the series: {known})")
         return [
             e
             for e in self.files
-            if (prs is None or e.pr in prs) and (source or e.path.startswith("vllm/"))
+            if (prs is None or e.pr in prs)
+            and (source or e.path.startswith("vllm/"))
+            and (version is None or not e.releases or version in e.releases)
         ]
 
 
@@ -175,6 +183,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         files += [FileEntry(f, p["id"], f, new=True) for f in p.get("new", ())]
     order = [p.id for p in prs]
     may = {"src", "new", "replace", "add", "drop", "edits", "envs", "sha256"}
+    may.add("releases")
     for f in top.get("files", ()):
         f = _table(f, "files", {"path", "pr"}, may)
         if f["pr"] not in order:
@@ -189,7 +198,9 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
             edits.append(Edit(kind[0], e["in"], e[kind[0]], *args))
         lists = [tuple(f.get(k, ())) for k in ("replace", "add", "drop")]
         src, envs = f.get("src", f["path"]), tuple(f.get("envs", ()))
-        sha = f.get("sha256", {})
+        sha, only = f.get("sha256", {}), tuple(f.get("releases", ()))
+        if unknown := set(only) - set(releases):
+            raise BranchError(f"files {f['path']}: no release {sorted(unknown)[0]}")
         files.append(
             FileEntry(
                 f["path"],
@@ -200,6 +211,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
                 tuple(edits),
                 envs,
                 sha,
+                only,
             )
         )
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed
@@ -756,7 +768,7 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
     if check:
         manifest.release(version)
     tree, repo = Path(tree), Path(repo)
-    entries = manifest.entries(prs, source)
+    entries = manifest.entries(prs, source, version)
     report, hashes, texts, recorded = BranchReport(version), {}, {}, {}
     for e in manifest.files:  # a file's hashes, in whichever of its entries
         recorded.setdefault(e.path, {}).update(e.sha256.get(version, {}))
@@ -819,7 +831,11 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
         upto = [p.id for p in manifest.prs]
         upto = upto[: upto.index(bk["pr"]) + 1]
         paths = sorted(
-            {e.path for e in manifest.entries(upto) if e.path.startswith("vllm/")}
+            {
+                e.path
+                for e in manifest.entries(upto, version=version)
+                if e.path.startswith("vllm/")
+            }
         )
         who = f"vllm {version}: {bk['file']}"
         texts[bk["file"]] = _buildkite(
@@ -878,10 +894,12 @@ def apply_branch(
     return report
 
 
-def release_hashes(tree: Path, version: str, manifest: Manifest | None = None) -> dict:
+def release_hashes(
+    tree: Path, version: str, manifest: Manifest | None = None, source: bool = False
+) -> dict:
     """{(path, name): sha256} of every definition the branch replaces, edits
     or relies on, in the release ``tree`` (any version; nothing written)."""
-    return _run(tree, version, ROOT, None, True, manifest, False)[2]
+    return _run(tree, version, ROOT, None, source, manifest, False)[2]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -895,7 +913,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "hashes":
             for (path, name), h in sorted(
-                release_hashes(args.tree, args.version).items()
+                release_hashes(args.tree, args.version, source=args.source).items()
             ):
                 print(f'{path}: sha256."{args.version}".{name} = "{h}"')
         else:

@@ -46,13 +46,14 @@ HEADER = (
 )
 
 
-def diff_rows(tree: Path, version: str) -> list[tuple]:
+def diff_rows(tree: Path, version: str, texts: dict | None = None) -> list[tuple]:
     """(version, definition, path, upstream lines, kept, added, removed) per
-    definition the branch replaces or edits, in the manifest's order."""
+    definition the branch replaces or edits, in the manifest's order
+    (``texts``: :func:`branch_texts` of ``tree``, if already made)."""
     manifest = load_manifest()
-    texts = branch_texts(tree, version, manifest=manifest)
+    texts = texts or branch_texts(tree, version, manifest=manifest)
     rows = []
-    for e in manifest.entries():
+    for e in manifest.entries(version=version):
         for name in e.changed:
             up = (tree / e.path).read_text(encoding="utf-8")
             old = definition_source(up, name, e.path).splitlines()

@@ -37,7 +37,8 @@ def changed_paths(version: str | None = None) -> list[str]:
     manifest = load_manifest()
     if version is not None:
         manifest.release(version)
-    return list(dict.fromkeys(e.path for e in manifest.entries() if not e.new))
+    entries = manifest.entries(version=version)
+    return list(dict.fromkeys(e.path for e in entries if not e.new))
 
 
 def _module(root: Path, path: str) -> griffe.Module:

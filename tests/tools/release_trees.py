@@ -8,14 +8,15 @@ tools/build_fork_wheel.py leaves). With ``VLLM_FORK_RELEASE_TREES`` set, a
 missing release fails the test instead of skipping it.
 """
 
+import functools
 import os
 from pathlib import Path
 
 import pytest
 
-from tools.fork_branch import ROOT
+from tools.fork_branch import ROOT, branch_texts
 
-__all__ = ["ENV", "release_tree"]
+__all__ = ["ENV", "release_texts", "release_tree"]
 
 ENV = "VLLM_FORK_RELEASE_TREES"
 
@@ -35,3 +36,14 @@ def release_tree(version: str) -> Path:
         f"vLLM {version} is not unpacked at {where}: run "
         f"python tools/build_fork_wheel.py, or set {ENV} to a folder of them"
     )
+
+
+@functools.cache
+def _texts(tree: Path, version: str) -> dict[str, str]:
+    return branch_texts(tree, version)
+
+
+def release_texts(version: str) -> tuple[Path, dict[str, str]]:
+    """The release's tree and the branch applied to it in memory (once a run)."""
+    tree = release_tree(version)
+    return tree, _texts(tree, version)

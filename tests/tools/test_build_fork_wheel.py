@@ -153,12 +153,13 @@ def test_the_command_line_refuses_with_one_line_and_exit_2(
 
 
 def test_metadata_rewrite_keeps_everything_else():
-    text = "Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\nRequires-Dist: numpy\nRequires-Dist: flashinfer-python==0.7.3\n\nVersion: body\n"
-    new = rewrite_metadata(
-        text, "0.34.0+nvfp4moe", {"flashinfer-python": "flashinfer-python==0.7.4"}
+    text = (
+        "Metadata-Version: 2.1\nName: vllm\nVersion: 0.34.0\nRequires-Dist: numpy\n"
+        "Requires-Dist: flashinfer-python==0.7.3\n\nVersion: body\n"
     )
-    assert new == text.replace("0.7.3", "0.7.4").replace(
-        "Version: 0.34.0", "Version: 0.34.0+nvfp4moe"
-    )
+    pin = {"flashinfer-python": "flashinfer-python==0.7.4"}
+    new = rewrite_metadata(text, "0.34.0+nvfp4moe", pin)
+    expected = text.replace("0.7.3", "0.7.4")
+    assert new == expected.replace("Version: 0.34.0", "Version: 0.34.0+nvfp4moe")
     with pytest.raises(BranchError, match="no Requires-Dist on torch"):
         rewrite_metadata(text, "1", {"torch": "torch==2"})

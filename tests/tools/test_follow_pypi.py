@@ -56,10 +56,8 @@ def test_a_newer_release_is_reported_and_never_fails(tmp_path, capsys):
     assert out.out.startswith(
         "0.35.0: not supported yet (the newest supported: 0.34.0)\n"
     )
-    assert (
-        "make_nvfp4_moe_quant_config (vllm/model_executor/layers/fused_moe/oracle/nvfp4.py)"
-        in out.out
-    )
+    oracle = "vllm/model_executor/layers/fused_moe/oracle/nvfp4.py"
+    assert f"make_nvfp4_moe_quant_config ({oracle})" in out.out
     assert out.out.endswith("  unchanged: none\n")
     # a wheel with other bytes than PyPI's is refused
     pypi["releases"]["0.35.0"][0]["digests"]["sha256"] = "1" * 64

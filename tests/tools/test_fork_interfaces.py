@@ -79,7 +79,8 @@ def test_compatible_changes_are_not_differences(tmp_path):
         (
             "    LIMIT = 1\n",
             "    def LIMIT(self):\n        pass\n",
-            "vllm.mod.Experts.LIMIT: Public object points to a different kind of object",
+            "vllm.mod.Experts.LIMIT: Public object points to a different kind of "
+            "object",
         ),
     ],
 )

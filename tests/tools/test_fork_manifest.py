@@ -116,6 +116,8 @@ def test_the_edits_new_code_is_the_slices_own():
     for entry in (e for e in MANIFEST.files if e.edits):
         module = _parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
         for edit in entry.edits:
+            if edit.inside.split(".")[0] not in _bindings(module):
+                continue  # a stand-in src: the code is the manifest's alone
             inside = _find(module, edit.inside, entry.src)
             if edit.kind == "replace":
                 _match(inside, edit.code, f"the slice's {entry.src}")
@@ -151,7 +153,7 @@ def test_every_file_and_page_the_manifest_names_exists():
         assert (ROOT / pr.doc).is_file(), pr.doc
     assert set(MANIFEST.releases) == {"0.34.0", "0.33.0"}
     for entry in MANIFEST.files:
-        for version in MANIFEST.releases:
+        for version in entry.releases or MANIFEST.releases:
             assert set(entry.changed) <= set(entry.sha256.get(version, {})), (
                 entry.path,
                 version,

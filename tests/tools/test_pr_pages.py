@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.tools.release_trees import release_tree
+from tests.tools.release_trees import release_texts
 from tools.fork_branch import ROOT, load_manifest
 from tools.fork_diff_report import BEGIN, END, diff_rows, quote, render
 
@@ -37,7 +37,8 @@ def test_each_page_lists_its_prs_files(pr):
 
 @pytest.fixture(scope="module", params=list(MANIFEST.releases))
 def rows(request):
-    return diff_rows(release_tree(request.param), request.param)
+    tree, texts = release_texts(request.param)
+    return diff_rows(tree, request.param, texts)
 
 
 def test_the_pages_quote_the_diff_report(rows):
