@@ -25,9 +25,9 @@ from pathlib import Path
 import griffe
 
 try:
-    from tools.fork_branch import ROOT, BranchError, _top_names, load_manifest
+    from tools.fork_branch import ROOT, BranchError, load_manifest, top_names
 except ImportError:  # run as `python tools/fork_interfaces.py`
-    from fork_branch import ROOT, BranchError, _top_names, load_manifest
+    from fork_branch import ROOT, BranchError, load_manifest, top_names
 
 __all__ = ["changed_paths", "differences", "importer_differences", "main"]
 
@@ -92,8 +92,7 @@ def importer_differences(upstream: Path, fork: Path, paths: Sequence[str]) -> li
     whose ``n`` the fork's M no longer binds."""
     modules = {p.removesuffix(".py").replace("/", "."): p for p in paths}
     bound = {
-        m: _top_names((fork / p).read_text(encoding="utf-8"))
-        for m, p in modules.items()
+        m: top_names((fork / p).read_text(encoding="utf-8")) for m, p in modules.items()
     }
     out = []
     for file in sorted((upstream / "vllm").rglob("*.py")):

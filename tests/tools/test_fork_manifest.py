@@ -10,15 +10,8 @@ import re
 
 import pytest
 
-from tools.fork_branch import (
-    ROOT,
-    _bindings,
-    _find,
-    _match,
-    _parse,
-    _reads,
-    load_manifest,
-)
+from tools.fork_branch import ROOT, load_manifest
+from tools.fork_cst import bindings, find, match, parse, reads
 
 MANIFEST = load_manifest()
 PRS = [p.id for p in MANIFEST.prs]
@@ -33,9 +26,9 @@ def _shipped(entry):
     branch = (ROOT / entry.src).read_text(encoding="utf-8")
     if entry.new:
         return [(entry.path, branch)]
-    module = _parse(branch, entry.src)
+    module = parse(branch, entry.src)
     out = [
-        (q, module.code_for_node(_find(module, q, entry.src)))
+        (q, module.code_for_node(find(module, q, entry.src)))
         for q in (*entry.replace, *entry.add)
     ]
     return out + [(e.inside, e.code) for e in entry.edits if e.code]
@@ -51,12 +44,12 @@ def _imports(entry) -> set[tuple[str, str]]:
             if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("vllm")
             for a in n.names
         }
-    module = _parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
-    reads = _reads(*(_find(module, q, entry.src) for q in (*entry.replace, *entry.add)))
-    binds = _bindings(module)
+    module = parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
+    names = reads(*(find(module, q, entry.src) for q in (*entry.replace, *entry.add)))
+    binds = bindings(module)
     return {
         binds[n][1:]
-        for n in reads
+        for n in names
         if n in binds and binds[n][0] == "import" and binds[n][1].startswith("vllm")
     }
 
@@ -114,18 +107,16 @@ def test_a_file_moved_to_an_earlier_pr_is_caught():
 
 def test_the_edits_new_code_is_the_slices_own():
     for entry in (e for e in MANIFEST.files if e.edits):
-        module = _parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
+        module = parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
         for edit in entry.edits:
-            if edit.inside.split(".")[0] not in _bindings(module):
+            if edit.inside.split(".")[0] not in bindings(module):
                 continue  # a stand-in src: the code is the manifest's alone
-            inside = _find(module, edit.inside, entry.src)
+            inside = find(module, edit.inside, entry.src)
             if edit.kind == "replace":
-                _match(inside, edit.code, f"the slice's {entry.src}")
+                match(inside, edit.code, f"the slice's {entry.src}")
             elif edit.code:
-                for stmt in _parse(edit.code, "code").body:
-                    _match(
-                        inside, module.code_for_node(stmt), entry.src, statement=True
-                    )
+                for stmt in parse(edit.code, "code").body:
+                    match(inside, module.code_for_node(stmt), entry.src, statement=True)
 
 
 FORBIDDEN = re.compile(
