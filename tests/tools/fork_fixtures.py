@@ -25,13 +25,24 @@ def dedent(text: str) -> str:
 UPSTREAM = {
     "vllm/__init__.py": "",
     "vllm/_version.py": "__version__ = version = '1.0.0'\n",
-    "vllm/helpers.py": "def helper(x):\n    return x\n",
+    "vllm/helpers.py": dedent("""
+        def helper(x):
+            return x
+
+
+        def old_helper(x):
+            return x
+
+
+        def fresh_helper(x):
+            return x
+        """),
     "vllm/ops.py": dedent('''
         """Upstream's ops."""
 
         import os
 
-        from vllm.helpers import helper
+        from vllm.helpers import helper, old_helper
 
 
         def unchanged(a):
@@ -71,7 +82,7 @@ UPSTREAM = {
                 return self.x  # kept as upstream wrote it
 
             def old(self):
-                return 0
+                return old_helper(0)
         '''),
     "vllm/envs.py": dedent("""
         import os
@@ -92,7 +103,7 @@ BRANCH = {
 
         import math
 
-        from vllm.helpers import helper
+        from vllm.helpers import fresh_helper, helper
 
 
         def _scale(x):
@@ -119,7 +130,7 @@ BRANCH = {
                 self.x = 2
 
             def prepare(self):
-                return _scale(self.x)
+                return fresh_helper(_scale(self.x))
 
             def keep(self):
                 return self.x

@@ -17,7 +17,7 @@ OPS = dedent('''
     import math
     import os
 
-    from vllm.helpers import helper
+    from vllm.helpers import fresh_helper, helper
 
 
     def _scale(x):
@@ -57,7 +57,7 @@ OPS = dedent('''
             self.x = 2
 
         def prepare(self):
-            return _scale(self.x)
+            return fresh_helper(_scale(self.x))
 
         def keep(self):
             return self.x  # kept as upstream wrote it
