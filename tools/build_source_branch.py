@@ -2,24 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Build vLLM's source releases as git branches carrying the series.
 
-    python tools/build_source_branch.py [--release V ...] [--local DIR ...]
-        [--fresh] [--no-install] [--check-wheel FORK_WHEEL]
+    python tools/build_source_branch.py [--release V] [--local DIR] [--fresh]
 
-Per release (default: every release of tools/fork_manifest.toml):
-    pip download (or --local DIR) -> build/source/<sdist>, <wheel>; sha256
-    unpack (tarfile, data filter) -> build/source/vllm-<V>/   git: the sdist's files
-        byte for byte (git add -f -A), tagged v<V>
-    one commit per [[prs]] entry on branch nvfp4moe-wip (the tree is the
-        release + that PR and those before it, tools/fork_branch.py); each
-        changed .py file must compile; then branch nvfp4moe moves to it
-    git format-patch v<V>.. -> dist/vllm-<V>-nvfp4moe-patches/, checked by
-        git am onto the tag in a scratch worktree (same tree id)
-Then, unless --no-install, the first release's tree is installed editable
-into this Python (precompiled parts from its wheel), with upstream's
-requirements/common.txt and requirements/source-cpu.txt.
-
-A tree the command did not leave as it left it (changes, foreign commits) is
-refused; --fresh deletes it first. Errors: one line on stderr, exit 2.
+Per release of tools/fork_manifest.toml: its sdist and wheel (pip download,
+or --local), sha256 checked, kept in build/source/; the sdist unpacked to
+build/source/vllm-<V>/ as git, first commit = its files (git add -f -A),
+tag v<V>; one commit per [[prs]] entry (the release + that PR and the ones
+before it, tools/fork_branch.py; each changed .py file compiled) on a
+scratch branch that nvfp4moe moves to once complete; git format-patch to
+dist/vllm-<V>-nvfp4moe-patches/, checked by git am onto the tag. Then,
+unless --no-install, the first tree is installed editable into this venv
+with its wheel's compiled parts and the trees' requirements. A tree holding
+anything the command did not make is refused (--fresh deletes it first).
+Errors: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -32,18 +27,18 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["AUTHOR", "BRANCH", "SourceError", "build_release", "install", "main"]
+__all__ = ["AUTHOR", "BRANCH", "SourceError", "build_release", "git", "install"]
 
 ROOT = Path(__file__).resolve().parents[1]
 BRANCH, WIP = "nvfp4moe", "nvfp4moe-wip"
 AUTHOR = "vLLM NVFP4 MoE branch <nvfp4-moe-branch@users.noreply.github.com>"
-# Measured (2026-12-03, build/ after a full run, .venv-source after install):
-# per release, sdist + wheel + tree with its .git; the venv's packages.
-NEED_PER_RELEASE, NEED_VENV = 1_300 << 20, 4_000 << 20
+# Measured 2026-12-03 (du): per release, its sdist, wheel and git tree
+# (0.34.0: 49 + 228 + 300 MiB); the venv with upstream's requirements.
+NEED_PER_RELEASE, NEED_VENV = 700 << 20, 3 << 30
+FRESH = "kept as they are; pass --fresh to delete the tree and start afresh"
 
 
 class SourceError(Exception):
@@ -59,51 +54,46 @@ def git(tree: Path, *args: str, env: dict | None = None, input: str = "") -> str
         env={**os.environ, **(env or {})},
     )
     if run.returncode:
-        said = (run.stderr + run.stdout).splitlines()
-        said = [line for line in said if line.strip() and not line.startswith("hint:")]
-        raise SourceError(f"git {args[0]} in {tree}: {(said or ['failed'])[0]}")
+        said = [s for s in (run.stderr + run.stdout).splitlines() if s.strip()]
+        said = [s for s in said if not s.startswith("hint:")] or ["failed"]
+        raise SourceError(f"git {args[0]} in {tree}: {said[0]}")
     return run.stdout.strip()
 
 
 def _identity(author: str, epoch: int) -> dict:
-    name, email = author.rsplit(" <", 1)
+    name, email = author.rstrip(">").rsplit(" <", 1)
     env = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
     for who in ("AUTHOR", "COMMITTER"):
-        env |= {f"GIT_{who}_NAME": name, f"GIT_{who}_EMAIL": email.rstrip(">")}
+        env |= {f"GIT_{who}_NAME": name, f"GIT_{who}_EMAIL": email}
         env[f"GIT_{who}_DATE"] = f"@{epoch} +0000"
     return env
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def fetch(name: str, sha256: str, version: str, out: Path, local=()) -> Path:
     """``out/name`` with the manifest's sha256: copied from the first folder
     of ``local`` holding it, else downloaded with pip."""
     target, source = out / name, "pip download"
-    for folder in local if not target.is_file() else ():
-        if (folder / name).is_file():
-            source = str(folder / name)
-            shutil.copyfile(folder / name, target.with_suffix(".part"))
-            os.replace(target.with_suffix(".part"), target)
-            break
+    for folder in (
+        [] if target.is_file() else [d for d in local if (d / name).is_file()]
+    ):
+        source = str(folder / name)
+        shutil.copyfile(folder / name, target.with_suffix(".part"))
+        os.replace(target.with_suffix(".part"), target)
+        break
     if not target.is_file():
         print(f"downloading {name} with pip", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
-        cmd += ["-d", str(out), f"vllm=={version}"]
-        if name.endswith(".tar.gz"):  # setup.py runs for the metadata
+        cmd = ["pip", "download", "-q", "--no-deps", "-d", str(out), f"vllm=={version}"]
+        if name.endswith(".tar.gz"):  # pip runs setup.py for the metadata
             cmd += ["--no-binary", ":all:", "--no-build-isolation"]
         else:
-            cmd += ["--only-binary", ":all:", "--python-version", "3.11"]
-            cmd += ["--platform", "manylinux_2_28_x86_64"]
+            cmd += ["--only-binary", ":all:", "--platform", "manylinux_2_28_x86_64"]
         env = {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": version}
-        if subprocess.run(cmd, env={**os.environ, **env}).returncode:
-            raise SourceError(f"pip download vllm=={version} failed (see above)")
+        _pip(*cmd[1:], env=env)
         if not target.is_file():
-            raise SourceError(f"pip download did not write {target}")
-    if (got := _sha256(target)) != sha256:
+            raise SourceError(f"pip download vllm=={version} wrote no {target}")
+    with open(target, "rb") as f:
+        got = hashlib.file_digest(f, "sha256").hexdigest()
+    if got != sha256:
         target.unlink()  # our copy; the source is left as it is
         raise SourceError(
             f"{name} ({source}): sha256 {got}, expected {sha256} (the "
@@ -117,7 +107,7 @@ def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
     partial = tree.with_name(f".{tree.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted run's, ours
     partial.mkdir(parents=True)
-    try:  # the "data" filter: no owners, no paths or links leaving the folder
+    try:  # the "data" filter: no owners kept, nothing lands outside
         with tarfile.open(sdist) as archive:
             archive.extractall(partial, filter="data")
     except (tarfile.TarError, OSError) as exc:
@@ -137,34 +127,25 @@ def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
 
 def _check_ours(tree: Path, version: str, author: str) -> None:
     """Refuse a tree holding anything the command did not make."""
-    fresh = "kept as they are; pass --fresh to delete the tree and start afresh"
     if not (tree / ".git").is_dir():
-        raise SourceError(f"{tree} exists and is not a git tree this made; {fresh}")
-    tag = f"v{version}"
-    try:
-        git(tree, "rev-parse", "-q", "--verify", f"refs/tags/{tag}")
-    except SourceError:
-        raise SourceError(f"{tree} has no tag {tag}; {fresh}") from None
-    head = git(tree, "rev-parse", "--abbrev-ref", "HEAD")  # "HEAD": detached
+        raise SourceError(f"{tree} exists and is not a git tree this made; {FRESH}")
+    tag, head = f"v{version}", git(tree, "rev-parse", "--abbrev-ref", "HEAD")
+    if not git(tree, "tag", "--list", tag):
+        raise SourceError(f"{tree} has no tag {tag}; {FRESH}")
     if head == WIP:  # an interrupted series: its half-applied files are ours
         return
     if status := git(tree, "status", "--porcelain", "--untracked-files=all"):
         n = len(status.splitlines())
-        raise SourceError(
-            f"{tree} has changes not made by this command ({n} paths); {fresh}"
-        )
+        raise SourceError(f"{tree} has changes not made by this command ({n}); {FRESH}")
     tip = BRANCH if git(tree, "branch", "--list", BRANCH) else tag
-    on_series = (
-        head == "HEAD"
-        and not subprocess.run(
-            ["git", "-C", str(tree), "merge-base", "--is-ancestor", "HEAD", tip]
-        ).returncode
-    )
-    if head != BRANCH and not on_series:
-        raise SourceError(f"{tree} has {head} checked out, not {BRANCH}; {fresh}")
+    ancestor = ["git", "-C", str(tree), "merge-base", "--is-ancestor", "HEAD", tip]
+    if head != BRANCH and not (
+        head == "HEAD" and not subprocess.run(ancestor).returncode
+    ):
+        raise SourceError(f"{tree} has {head} checked out, not {BRANCH}; {FRESH}")
     log = git(tree, "log", "--format=%an <%ae>%n%cn <%ce>", f"{tag}..{tip}")
     if set(log.splitlines()) - {author}:
-        raise SourceError(f"{tree} has commits not made by this command; {fresh}")
+        raise SourceError(f"{tree} has commits not made by this command; {FRESH}")
 
 
 def _engine():
@@ -175,33 +156,36 @@ def _engine():
     return fork_branch
 
 
-def _message(pr, repo: Path, author: str) -> str:
-    text = (repo / pr.doc).read_text(encoding="utf-8").strip().splitlines()
-    body = "\n".join(text[1:] if text and text[0].startswith("# ") else text)
-    return f"{pr.title}\n\n{body.strip()}\n\nSigned-off-by: {author}\n"
-
-
 def _series(tree, version, manifest, repo, author, apply) -> None:
-    base = int(git(tree, "log", "-1", "--format=%ct", f"v{version}"))
-    git(tree, "checkout", "-q", "-f", "-B", WIP, f"v{version}")
-    ids = [pr.id for pr in manifest.prs]
+    tag, ids = f"v{version}", [pr.id for pr in manifest.prs]
+    base = int(git(tree, "log", "-1", "--format=%ct", tag))
+    git(tree, "checkout", "-q", "-f", "-B", WIP, tag)
     for k, pr in enumerate(manifest.prs, start=1):
-        git(tree, "restore", "-q", f"--source=v{version}", "-SW", "--", ".")
+        git(tree, "restore", "-q", f"--source={tag}", "-SW", "--", ".")
         report = apply(tree, version, repo=repo, prs=ids[:k], source=True)
         git(tree, "add", "-f", "-A", "--", *report.written)
-        changed = git(tree, "diff", "--cached", "--name-only", "HEAD").splitlines()
+        changed = git(tree, "diff", "--cached", "--name-only", "HEAD").split()
         if not changed:
             raise SourceError(f"PR {pr.id} changes nothing in vllm {version}")
         for name in (n for n in changed if n.endswith(".py")):
-            path = tree / name
             try:
-                compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+                compile((tree / name).read_bytes(), name, "exec", dont_inherit=True)
             except SyntaxError as exc:
                 raise SourceError(
                     f"PR {pr.id}: {name} does not compile: {exc}"
                 ) from None
-        env = _identity(author, base + 60 * k)
-        git(tree, "commit", "-q", "-F", "-", env=env, input=_message(pr, repo, author))
+        page = (repo / pr.doc).read_text(encoding="utf-8").strip().split("\n", 1)
+        body = page[-1].strip() if page[0].startswith("# ") else "\n".join(page)
+        message = f"{pr.title}\n\n{body}\n\nSigned-off-by: {author}\n"
+        git(
+            tree,
+            "commit",
+            "-q",
+            "-F",
+            "-",
+            env=_identity(author, base + 60 * k),
+            input=message,
+        )
     git(tree, "branch", "-f", BRANCH, WIP)
     git(tree, "checkout", "-q", BRANCH)
     git(tree, "branch", "-q", "-D", WIP)
@@ -209,30 +193,31 @@ def _series(tree, version, manifest, repo, author, apply) -> None:
 
 def _patches(tree: Path, version: str, dist: Path, author: str) -> Path:
     out = dist / f"vllm-{version}-{BRANCH}-patches"
-    shutil.rmtree(out, ignore_errors=True)  # a build output of this command
+    shutil.rmtree(out, ignore_errors=True)  # this command's build output
     git(tree, "format-patch", "-q", "--no-signature", "-o", str(out), f"v{version}..")
     with tempfile.TemporaryDirectory(dir=tree.parent) as scratch:
-        wt = Path(scratch) / "am"
-        git(tree, "worktree", "add", "-q", "--detach", str(wt), f"v{version}")
+        am = Path(scratch) / "am"
+        git(tree, "worktree", "add", "-q", "--detach", str(am), f"v{version}")
         try:
-            git(
-                wt,
-                "am",
-                "-q",
-                "--keep-cr",
-                *sorted(map(str, out.glob("*.patch"))),
-                env=_identity(author, 0),
-            )
-            if git(wt, "rev-parse", "HEAD^{tree}") != git(
+            patches = sorted(map(str, out.glob("*.patch")))
+            git(am, "am", "-q", "--keep-cr", *patches, env=_identity(author, 0))
+            if git(am, "rev-parse", "HEAD^{tree}") != git(
                 tree, "rev-parse", "HEAD^{tree}"
             ):
                 raise SourceError(f"git am of {out} onto v{version} gives another tree")
         finally:
-            git(tree, "worktree", "remove", "--force", str(wt))
+            git(tree, "worktree", "remove", "--force", str(am))
     return out
 
 
-def _precompiled(wheel: Path, version: str) -> dict:
+def _pip(*args: str, env: dict | None = None) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
+    if subprocess.run(cmd, env={**os.environ, **(env or {})}).returncode:
+        raise SourceError(f"pip {' '.join(args[:2])} ... failed (see above)")
+
+
+def precompiled(wheel: Path, version: str) -> dict:
+    """vLLM's setup.py settings: the compiled parts from ``wheel``."""
     return {
         "VLLM_USE_PRECOMPILED": "1",
         "VLLM_PRECOMPILED_WHEEL_LOCATION": str(wheel),
@@ -240,76 +225,25 @@ def _precompiled(wheel: Path, version: str) -> dict:
     }
 
 
-def _pip(*args: str, env: dict | None = None, cwd: Path | None = None) -> None:
-    cmd = [sys.executable, "-m", "pip", *args]
-    if subprocess.run(cmd, env={**os.environ, **(env or {})}, cwd=cwd).returncode:
-        raise SourceError(f"pip {' '.join(args[:3])} ... failed (see above)")
-
-
-def install(
-    tree: Path, wheel: Path, version: str, *, requirements: bool = True
-) -> None:
-    """``tree`` installed editable into this Python: the release wheel's
-    compiled parts copied in, ``import vllm`` resolving into the tree."""
+def install(tree: Path, wheel: Path, version: str, requirements=()) -> None:
+    """``tree`` installed editable into this venv (compiled parts from
+    ``wheel``, version <V>+cpu: vLLM's CPU platform), after the
+    ``requirements`` files with requirements/source-cpu.txt; ``import vllm``
+    resolving into the tree is checked."""
     if sys.prefix == sys.base_prefix:
         raise SourceError("not in a virtual environment: make .venv-source (README)")
     if requirements:
-        _pip(
-            "install",
-            "-q",
-            "-r",
-            str(ROOT / "requirements/source-cpu.txt"),
-            "-r",
-            str(tree / "requirements/common.txt"),
-        )
-    _pip(
-        "install",
-        "-q",
-        "--no-build-isolation",
-        "--no-deps",
-        "-e",
-        str(tree),
-        env=_precompiled(wheel, f"{version}+cpu"),  # +cpu: vLLM's CPU platform
-    )
+        reqs = [ROOT / "requirements/source-cpu.txt", *requirements]
+        _pip("install", "-q", *(f"-r{r}" for r in reqs))
+    env = precompiled(wheel, f"{version}+cpu")
+    _pip("install", "-q", "--no-build-isolation", "--no-deps", "-e", str(tree), env=env)
     git(tree, "checkout", "-q", "--", "vllm/_version.py")  # setuptools-scm's
-    found = subprocess.run(
-        [sys.executable, "-c", "import vllm; print(vllm.__file__)"],
-        capture_output=True,
-        text=True,
-        cwd=tempfile.gettempdir(),
-    ).stdout.strip()
-    if Path(found) != tree.resolve() / "vllm" / "__init__.py":
-        raise SourceError(f"import vllm gives {found or 'an error'}, not {tree}")
-
-
-def check_wheel(tree: Path, wheel: Path, version: str, fork_wheel: Path) -> str:
-    """`pip wheel` from ``tree`` vs ``fork_wheel``: their Python files."""
-    with tempfile.TemporaryDirectory() as out:
-        label = fork_wheel.name.split("-")[1]  # the fork's own version
-        _pip(
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            out,
-            str(tree),
-            env=_precompiled(wheel, label),
-        )
-        git(tree, "checkout", "-q", "--", "vllm/_version.py")
-        (built,) = Path(out).glob("*.whl")
-        with zipfile.ZipFile(built) as a, zipfile.ZipFile(fork_wheel) as b:
-            pa = {n for n in a.namelist() if n.endswith(".py")}
-            pb = {n for n in b.namelist() if n.endswith(".py")}
-            differ = sorted(n for n in pa & pb if a.read(n) != b.read(n))
-            only = sorted(pa ^ pb)
-    if differ or only:
+    probe = [sys.executable, "-c", "import vllm; print(vllm.__file__)"]
+    found = subprocess.run(probe, capture_output=True, text=True, cwd="/").stdout
+    if Path(found.strip()) != tree.resolve() / "vllm" / "__init__.py":
         raise SourceError(
-            f"{built.name} vs {fork_wheel.name}: {len(differ)} Python files "
-            f"differ ({', '.join(differ[:3])}), {len(only)} in one only "
-            f"({', '.join(only[:3])})"
+            f"import vllm gives {found.strip() or 'an error'}, not {tree}"
         )
-    return f"{built.name}: its {len(pa)} Python files equal {fork_wheel.name}'s"
 
 
 def build_release(
@@ -324,8 +258,8 @@ def build_release(
     repo: Path = ROOT,
     apply: Callable | None = None,
 ) -> tuple[Path, Path, Path]:
-    """(tree, release wheel, patches folder) of ``version``, built or rebuilt;
-    ``apply``: tools/fork_branch.py's apply_branch unless given."""
+    """(tree, release wheel, patches folder) of ``version``, built or rebuilt
+    (``apply``: tools/fork_branch.py's apply_branch unless given)."""
     release = manifest.release(version)
     tree = build / f"vllm-{version}"
     if tree.exists() and fresh:
@@ -341,49 +275,28 @@ def build_release(
     return tree, wheel, _patches(tree, version, dist, author)
 
 
-def _check_disk(build: Path, versions: Sequence[str], install: bool) -> None:
+def check_disk(build: Path, versions: Sequence[str], venv: bool) -> None:
     missing = [v for v in versions if not (build / f"vllm-{v}").exists()]
-    need = len(missing) * NEED_PER_RELEASE + (NEED_VENV if install else 0)
+    need = len(missing) * NEED_PER_RELEASE + venv * NEED_VENV
     probe = next(p for p in (build, *build.parents) if p.exists())
     if (free := shutil.disk_usage(probe).free) < need:
         raise SourceError(
             f"{free / 2**30:.1f} GiB free under {probe}, about {need / 2**30:.1f} "
-            f"GiB needed ({len(missing)} source trees with git, sdists and release "
-            f"wheels at {NEED_PER_RELEASE / 2**30:.1f} GiB each"
-            + (
-                f"; the venv's packages {NEED_VENV / 2**30:.1f} GiB)"
-                if install
-                else ")"
-            )
+            f"GiB needed: {len(missing)} source trees with git, sdists and wheels "
+            f"({NEED_PER_RELEASE >> 20} MiB each)"
+            + (f", the venv's packages ({NEED_VENV >> 30} GiB)" if venv else "")
         )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="build_source_branch", description=__doc__.splitlines()[0]
-    )
-    p.add_argument(
-        "--release", action="append", help="default: the manifest's releases"
-    )
-    p.add_argument(
-        "--local",
-        type=Path,
-        action="append",
-        default=[],
-        help="a folder holding sdists or wheels",
-    )
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--release", action="append", help="default: the manifest's")
+    p.add_argument("--local", type=Path, action="append", default=[], help="a folder")
     p.add_argument("--fresh", action="store_true", help="delete existing trees first")
     p.add_argument("--no-install", action="store_true", help="no editable install")
-    p.add_argument(
-        "--check-wheel",
-        type=Path,
-        action="append",
-        default=[],
-        help="a fork wheel: the tree's wheel must hold its Python files",
-    )
-    p.add_argument("--author", default=AUTHOR, help="of the commits (Name <email>)")
+    p.add_argument("--author", default=AUTHOR, help="of the commits: Name <email>")
     args = p.parse_args(argv)
-    build, dist = ROOT / "build" / "source", ROOT / "dist"
+    build = ROOT / "build" / "source"
     try:
         if shutil.which("git") is None:
             raise SourceError(
@@ -391,26 +304,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         manifest = _engine().load_manifest()
         versions = args.release or list(manifest.releases)
-        _check_disk(build, versions, not args.no_install)
-        built = {}
+        check_disk(build, versions, not args.no_install)
+        built = []
         for v in versions:
-            built[v] = build_release(
+            tree, wheel, patches = build_release(
                 v,
                 manifest=manifest,
                 build=build,
-                dist=dist,
+                dist=ROOT / "dist",
                 local=args.local,
                 fresh=args.fresh,
                 author=args.author,
             )
-            print(f"vllm {v}: {built[v][0]} (branch {BRANCH}), {built[v][2]}")
-        for fork_wheel in args.check_wheel:
-            v = fork_wheel.name.split("-")[1].split("+")[0]
-            print(check_wheel(built[v][0], built[v][1], v, fork_wheel))
-        if not args.no_install:
-            tree, wheel, _ = built[versions[0]]
-            install(tree, wheel, versions[0])
-            print(f"import vllm: {tree}/vllm (editable, {sys.prefix})")
+            print(f"vllm {v}: {tree} (branch {BRANCH}), {patches}", flush=True)
+            built.append((tree, wheel, v))
+        if not args.no_install:  # one venv for every tree's requirements
+            install(*built[0], [t / "requirements/common.txt" for t, _, _ in built])
+            print(f"vllm {versions[0]}: installed editable in {sys.prefix}")
     except (SourceError, ValueError, OSError) as exc:  # BranchError: a ValueError
         print(f"build_source_branch: {exc}", file=sys.stderr)
         return 2

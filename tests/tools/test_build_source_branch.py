@@ -275,6 +275,6 @@ def test_no_git_and_too_little_disk_are_one_line_errors(monkeypatch, capsys, tmp
     )
     with pytest.raises(
         bsb.SourceError,
-        match=r"1\.0 GiB free under .*, about [0-9.]+ GiB needed \(2 source trees",
+        match=r"1\.0 GiB free under .*, about 4\.4 GiB needed: 2 source trees with git, sdists and wheels \(700 MiB each\), the venv",
     ):
-        bsb._check_disk(tmp_path / "build", ["0.34.0", "0.33.0"], install=True)
+        bsb.check_disk(tmp_path / "build", ["0.34.0", "0.33.0"], venv=True)
