@@ -98,6 +98,9 @@ def _apply_entry(
         up = up.deep_replace(old, new.with_changes(leading_lines=old.leading_lines))
     for q in e.drop:
         up = up.deep_replace(fc.find(up, q, who), cst.RemovalSentinel.REMOVE)
+    for test in e.drop_if:  # matched by structure, exactly once
+        gone = fc.match(up, test, who, of_if=True)
+        up = up.deep_replace(gone, cst.RemovalSentinel.REMOVE)
     for q in e.add:
         nodes.append(fc.find(br, q, bwho))
         up = fc.add_definition(up, br, q, who)
@@ -118,7 +121,7 @@ def _apply_entry(
         elif b == ("def",):
             relied.add(n)
     up = fc.add_imports(up, wanted, package)
-    if e.replace or e.drop or e.edits:  # only these can leave an import unused
+    if e.replace or e.drop or e.drop_if or e.edits:  # these can leave imports unused
         up = fc.drop_unused_imports(up0, up)
     out = up.code
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
@@ -232,7 +235,7 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             drift(e.path, module, name, "the branch relies on it")
         done = [
             f"{k} {', '.join(getattr(e, k))}"
-            for k in ("replace", "add", "drop", "envs")
+            for k in ("replace", "add", "drop", "drop_if", "envs")
             if getattr(e, k)
         ]
         done += [f"edit {x.inside}" for x in e.edits]

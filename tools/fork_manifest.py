@@ -81,6 +81,7 @@ class FileEntry:
     envs: tuple[str, ...] = ()
     sha256: dict[str, dict[str, str]] = field(default_factory=dict)
     releases: tuple[str, ...] = ()  # only these (a file not in every release)
+    drop_if: tuple[str, ...] = ()  # module-level `if`s, by their test
 
     @property
     def changed(self) -> list[str]:
@@ -151,7 +152,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         prs.append(PullRequest(p["id"], p["title"], p["doc"], tuple(p.get("new", ()))))
         files += [FileEntry(f, p["id"], f, new=True) for f in p.get("new", ())]
     order = [p.id for p in prs]
-    may = {"src", "new", "replace", "add", "drop", "edits", "envs", "sha256"}
+    may = {"src", "new", "replace", "add", "drop", "drop_if", "edits", "envs", "sha256"}
     may.add("releases")
     for f in top.get("files", ()):
         f = _table(f, "files", {"path", "pr"}, may)
@@ -181,6 +182,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
                 envs,
                 sha,
                 only,
+                tuple(f.get("drop_if", ())),
             )
         )
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed

@@ -1,0 +1,77 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""tools/fork_branch.py's ``drop_if``: upstream's module-level ``if``
+statements (a test file's skip guards) removed by their test, matched by
+structure exactly once, the imports only they read removed with them."""
+
+import pytest
+
+from tools.fork_branch import BranchError, apply_branch, load_manifest
+
+UPSTREAM = """import pytest
+
+from vllm.platforms import current_platform
+
+if not current_platform.is_sm120():
+    pytest.skip(reason="SM120 only", allow_module_level=True)
+
+from vllm.kernels import fast_op
+
+
+def test_op():
+    assert fast_op(1) == 2
+
+
+if __name__ == "__main__":
+    test_op()
+"""
+
+
+def _manifest(path, tests) -> None:
+    zeros = "0" * 64
+    path.write_text(
+        'package = "vllm"\nlocal_label = "x"\n[releases."1.0.0"]\n'
+        f'wheel = "w"\nwheel_sha256 = "{zeros}"\nsdist = "s"\n'
+        f'sdist_sha256 = "{zeros}"\nrequirements = {{}}\n'
+        '[[prs]]\nid = "p"\ntitle = "t"\ndoc = "d"\n'
+        '[[files]]\npath = "tests/test_op.py"\npr = "p"\n'
+        f"drop_if = [{', '.join(repr(t) for t in tests)}]\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "tests",
+    [
+        ["not current_platform . is_sm120( )", "__name__ == '__main__'"],
+    ],
+)
+def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
+    (tmp_path / "tree/tests").mkdir(parents=True)
+    for mod in ("platforms", "kernels"):
+        (tmp_path / f"tree/vllm/{mod}").mkdir(parents=True)
+        names = "current_platform = fast_op = None\n"
+        (tmp_path / f"tree/vllm/{mod}/__init__.py").write_text(names)
+    (tmp_path / "tree/tests/test_op.py").write_text(UPSTREAM)
+    (tmp_path / "repo/tests").mkdir(parents=True)
+    (tmp_path / "repo/tests/test_op.py").write_text(UPSTREAM)
+    m = tmp_path / "m.toml"
+    _manifest(m, tests)
+    apply_branch(
+        tmp_path / "tree",
+        "1.0.0",
+        repo=tmp_path / "repo",
+        manifest=load_manifest(m),
+        source=True,
+    )
+    text = (tmp_path / "tree/tests/test_op.py").read_text()
+    assert "current_platform" not in text and "__main__" not in text
+    assert "from vllm.kernels import fast_op" in text and "def test_op" in text
+    _manifest(m, ["not current_platform.is_sm121()"])
+    with pytest.raises(BranchError, match="matches 0 places"):
+        apply_branch(
+            tmp_path / "tree",
+            "1.0.0",
+            repo=tmp_path / "repo",
+            manifest=load_manifest(m),
+            source=True,
+        )
