@@ -26,7 +26,8 @@ from tests.kernels.moe.flashinfer_b12x_utils import (
     dequantized_experts,
     quantize_experts_modelopt,
 )
-from tests.kernels.moe.moe_reference import rel_rms_error, torch_moe, torch_topk
+from tests.kernels.moe.moe_reference import rel_rms_error, torch_topk
+from tests.kernels.moe.moe_reference import torch_moe as reference_moe
 from tests.kernels.moe.utils import make_dummy_moe_config
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
@@ -70,7 +71,7 @@ W4A16_BACKENDS = [
 ]
 
 # (m tokens, n = intermediate size I, k = hidden size H), as upstream's test
-MNK = [(2, 128, 256), (2, 256, 512), (16, 128, 256), (64, 256, 512)]
+MNK_FACTORS = [(2, 128, 256), (2, 256, 512), (16, 128, 256), (64, 256, 512)]
 NUM_EXPERTS = [8, 16]
 TOP_KS = [1, 2, 4]
 W4A16_MNK = [(2, 128, 256), (16, 256, 512)]
@@ -177,7 +178,7 @@ def _device(cls) -> str:
 @pytest.mark.parametrize("cls", BACKENDS)
 @pytest.mark.parametrize("topk", TOP_KS, ids=lambda v: f"top{v}")
 @pytest.mark.parametrize("e", NUM_EXPERTS, ids=lambda v: f"E{v}")
-@pytest.mark.parametrize("m,n,k", MNK, ids=_mnk_ids(MNK))
+@pytest.mark.parametrize("m,n,k", MNK_FACTORS, ids=_mnk_ids(MNK_FACTORS))
 def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
     torch.manual_seed(7)
     silu = MoEActivation.SILU
@@ -223,8 +224,8 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
 
     out = _run(experts, layer, x, logits, topk, silu)
     assert out.shape == (m, k) and out.dtype == torch.bfloat16
-    ref = torch_moe(x, w1, w2, logits, topk, renormalize=True)
-    ref_swapped = torch_moe(x, _swap_halves(w1), w2, logits, topk, renormalize=True)
+    ref = reference_moe(x, w1, w2, logits, topk, renormalize=True)
+    ref_swapped = reference_moe(x, _swap_halves(w1), w2, logits, topk, renormalize=True)
     err = rel_rms_error(out, ref)
     assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
     control = rel_rms_error(out, ref_swapped)
@@ -237,8 +238,8 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, silu)
         dw1, dw2 = dequantized_experts(tensors, gated=True)
-        ref_q = torch_moe(x, dw1, dw2, logits, topk, renormalize=True)
-        ref_q_swapped = torch_moe(x, _swap_halves(dw1), dw2, logits, topk, True)
+        ref_q = reference_moe(x, dw1, dw2, logits, topk, renormalize=True)
+        ref_q_swapped = reference_moe(x, _swap_halves(dw1), dw2, logits, topk, True)
         err = rel_rms_error(out_wo, ref_q)
         assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
         control = rel_rms_error(out_wo, ref_q_swapped)
@@ -248,7 +249,7 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
 @pytest.mark.parametrize("cls", BACKENDS)
 @pytest.mark.parametrize("topk", TOP_KS, ids=lambda v: f"top{v}")
 @pytest.mark.parametrize("e", NUM_EXPERTS, ids=lambda v: f"E{v}")
-@pytest.mark.parametrize("m,n,k", MNK, ids=_mnk_ids(MNK))
+@pytest.mark.parametrize("m,n,k", MNK_FACTORS, ids=_mnk_ids(MNK_FACTORS))
 def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     # Non-gated experts: w1 is [e, n, k], nothing to reorder. The same 24
     # cases as the gated test.
@@ -262,12 +263,12 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     layer, experts = _prepared(cls, tensors, e, topk, k, n, relu2, _device(cls))
     assert torch.equal(layer.w13_weight.cpu(), tensors["w13_weight"])
     out = _run(experts, layer, x, logits, topk, relu2)
-    ref = torch_moe(x, w1, w2, logits, topk, True, activation="relu2")
+    ref = reference_moe(x, w1, w2, logits, topk, True, activation="relu2")
     err = rel_rms_error(out, ref)
     assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
     # Control: had the preparation swapped the halves of the I rows (a reorder
     # applied to non-gated experts), FC1's channels would no longer match w2's.
-    wrong = torch_moe(x, _swap_halves(w1), w2, logits, topk, True, "relu2")
+    wrong = reference_moe(x, _swap_halves(w1), w2, logits, topk, True, "relu2")
     control = rel_rms_error(out, wrong)
     assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"halves swapped: {control:.3f}"
     if cls is FlashInferB12xEmulatedExperts:
@@ -276,10 +277,12 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, relu2)
         dw1, dw2 = dequantized_experts(tensors, gated=False)
-        ref_q = torch_moe(x, dw1, dw2, logits, topk, True, "relu2")
+        ref_q = reference_moe(x, dw1, dw2, logits, topk, True, "relu2")
         err = rel_rms_error(out_wo, ref_q)
         assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
-        ref_q_wrong = torch_moe(x, _swap_halves(dw1), dw2, logits, topk, True, "relu2")
+        ref_q_wrong = reference_moe(
+            x, _swap_halves(dw1), dw2, logits, topk, True, "relu2"
+        )
         control = rel_rms_error(out_wo, ref_q_wrong)
         assert control > WEIGHTS_ONLY_CONTROL_MARGIN * WEIGHTS_ONLY_TOL, control
 
@@ -309,10 +312,10 @@ def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     assert out.shape == (m, k) and out.dtype == torch.bfloat16
     name = "silu" if gated else "relu2"
     dw1, dw2 = dequantized_experts(tensors, gated=gated)
-    ref = torch_moe(x, dw1, dw2, logits, topk, True, name)
+    ref = reference_moe(x, dw1, dw2, logits, topk, True, name)
     err = rel_rms_error(out, ref)
     assert err < W4A16_TOL, f"W4A16 vs dequantized: {err:.4f}"
-    wrong = torch_moe(x, _swap_halves(dw1), dw2, logits, topk, True, name)
+    wrong = reference_moe(x, _swap_halves(dw1), dw2, logits, topk, True, name)
     control = rel_rms_error(out, wrong)
     assert control > WEIGHTS_ONLY_CONTROL_MARGIN * W4A16_TOL, control
 
