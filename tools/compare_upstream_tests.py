@@ -1,18 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Run upstream's own tests on the tag and on each commit of the series.
+"""Run upstream's own tests on the tag and on the series, compared per test.
 
     python tools/compare_upstream_tests.py [--release V] [--quick]  # .venv-source
 
 In build/source/vllm-<V> (tools/build_source_branch.py; the editable install
 switched to it), from tests/ as upstream's CI runs them, on vLLM's CPU
 platform: SELECTION (--quick: QUICK) and every test file the series adds or
-changes, once at v<V> and once per commit (checked out in place), junit XML
-each under build/source/compare/<V>/. Per test id, the call's outcome (a
-teardown error after it, from upstream's CUDA-only cleanup, is not its). A
-regression: passed at the tag and anything else at a commit; ran at the tag
-and skipped at a commit; new and failing (new and skipped is only listed).
-Prints every id whose outcome changed; exit 1 on a regression, 2 on an error.
+changes, at v<V> and at nvfp4moe (checked out in place), and each earlier
+commit's own test files there; junit XML each under build/source/compare/<V>/.
+Per test id, the call's outcome (a teardown error after it, from upstream's
+CUDA-only cleanup, is not its). A regression: passed at the tag and anything
+else on the branch; ran at the tag and skipped on it; new and failing (new
+and skipped is only listed); a failing own test of an earlier commit. Prints
+every id whose outcome changed; exit 1 on a regression, 2 on an error.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ SELECTION = QUICK + (
     "quantization/test_modelopt.py",
     "quantization/test_compressed_tensors.py",
 )
-KINDS = ("passed", "failed", "error", "skipped")
+BAD = ("failed", "error")
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -75,7 +76,7 @@ def regressions(tag: dict[str, str], rev: dict[str, str]) -> list[str]:
     lines = []
     for test in sorted(tag.keys() | rev.keys()):
         a, b = tag.get(test, "absent"), rev.get(test, "absent")
-        ran, new_bad = a in ("failed", "error"), a == "absent" and b != "skipped"
+        ran, new_bad = a in BAD, a == "absent" and b != "skipped"
         bad = a == "passed" or (ran and b == "skipped") or (new_bad and b != "passed")
         lines += [f"{'!' if bad else ' '} {test}: {a} -> {b}"] if a != b else []
     return lines
@@ -96,27 +97,42 @@ def _run(tree: Path, rev: str, files: list[str], junit: Path) -> dict[str, str]:
 
 
 def compare(tree: Path, version: str, selection: Sequence, out: Path) -> int:
-    """Print the tag-to-commit changes of ``tree``; the number of regressions."""
+    """Print the tag-to-branch changes of ``tree``, and each earlier commit's
+    own test files' failures; the number of regressions."""
     tag, start, bad = f"v{version}", time.monotonic(), 0
     revs = bsb.git(tree, "rev-list", "--reverse", f"{tag}..{bsb.BRANCH}").split()
-    own = bsb.git(tree, "diff", "--name-only", tag, bsb.BRANCH, "--", "tests/")
-    files = [*selection, *(f[6:] for f in own.split() if f.endswith(".py"))]
     out.mkdir(parents=True, exist_ok=True)
     try:
+        for i, rev in enumerate(revs[:-1], start=1):  # its own tests pass
+            own = bsb.git(tree, "diff", "--name-only", tag, rev, "--", "tests/*.py")
+            if not own:
+                print(f"vllm {version} commit {i} {rev[:10]}: no tests of its own")
+                continue
+            got = _run(tree, rev, [f[6:] for f in own.split()], out / f"commit{i}.xml")
+            lines = [f"! {t}: {o}" for t, o in sorted(got.items()) if o in BAD]
+            bad += len(lines)
+            print(f"vllm {version} commit {i} {rev[:10]}: its own {_counts(got)}")
+            print("\n".join(lines), end="\n" if lines else "", flush=True)
+        own = bsb.git(tree, "diff", "--name-only", tag, bsb.BRANCH, "--", "tests/*.py")
+        files = [*selection, *(f[6:] for f in own.split())]
         base = _run(tree, tag, files, out / f"{tag}.xml")
-        counts = {k: list(base.values()).count(k) for k in KINDS}
-        print(f"vllm {version} {tag}: {len(base)} tests {counts}", flush=True)
-        for i, rev in enumerate(revs, start=1):
-            got = _run(tree, rev, files, out / f"commit{i}.xml")
-            lines = regressions(base, got)
-            bad += sum(line.startswith("!") for line in lines)
-            counts = {k: list(got.values()).count(k) for k in KINDS}
-            print(f"vllm {version} commit {i} {rev[:10]}: {len(got)} tests {counts}")
-            print("\n".join(lines) or "  no outcome changed", flush=True)
+        got = _run(tree, bsb.BRANCH, files, out / f"{bsb.BRANCH}.xml")
+        lines = regressions(base, got)
+        bad += sum(line.startswith("!") for line in lines)
+        print(f"vllm {version} {tag}: {_counts(base)}")
+        print(f"vllm {version} {bsb.BRANCH}: {_counts(got)}")
+        print("\n".join(lines) or "  no outcome changed", flush=True)
     finally:
         bsb.git(tree, "checkout", "-q", bsb.BRANCH)
     print(f"vllm {version}: {time.monotonic() - start:.0f} s, {bad} regressions")
     return bad
+
+
+def _counts(found: dict[str, str]) -> str:
+    kinds = ("passed", "failed", "error", "skipped")
+    return f"{len(found)} tests: " + ", ".join(
+        f"{list(found.values()).count(k)} {k}" for k in kinds
+    )
 
 
 def _switch(tree: Path, version: str) -> None:
