@@ -18,6 +18,7 @@ on a CPU machine that needs triton-cpu.
 import pytest
 import torch
 
+from tests.kernels.moe import moe_reference
 from tests.kernels.moe.flashinfer_b12x_utils import (
     NVFP4ExpertsLayer,
     apply_experts,
@@ -27,7 +28,6 @@ from tests.kernels.moe.flashinfer_b12x_utils import (
     quantize_experts_modelopt,
 )
 from tests.kernels.moe.moe_reference import rel_rms_error, torch_topk
-from tests.kernels.moe.moe_reference import torch_moe as reference_moe
 from tests.kernels.moe.utils import make_dummy_moe_config
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
@@ -224,8 +224,10 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
 
     out = _run(experts, layer, x, logits, topk, silu)
     assert out.shape == (m, k) and out.dtype == torch.bfloat16
-    ref = reference_moe(x, w1, w2, logits, topk, renormalize=True)
-    ref_swapped = reference_moe(x, _swap_halves(w1), w2, logits, topk, renormalize=True)
+    ref = moe_reference.torch_moe(x, w1, w2, logits, topk, renormalize=True)
+    ref_swapped = moe_reference.torch_moe(
+        x, _swap_halves(w1), w2, logits, topk, renormalize=True
+    )
     err = rel_rms_error(out, ref)
     assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
     control = rel_rms_error(out, ref_swapped)
@@ -238,8 +240,10 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, silu)
         dw1, dw2 = dequantized_experts(tensors, gated=True)
-        ref_q = reference_moe(x, dw1, dw2, logits, topk, renormalize=True)
-        ref_q_swapped = reference_moe(x, _swap_halves(dw1), dw2, logits, topk, True)
+        ref_q = moe_reference.torch_moe(x, dw1, dw2, logits, topk, renormalize=True)
+        ref_q_swapped = moe_reference.torch_moe(
+            x, _swap_halves(dw1), dw2, logits, topk, True
+        )
         err = rel_rms_error(out_wo, ref_q)
         assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
         control = rel_rms_error(out_wo, ref_q_swapped)
@@ -263,12 +267,14 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     layer, experts = _prepared(cls, tensors, e, topk, k, n, relu2, _device(cls))
     assert torch.equal(layer.w13_weight.cpu(), tensors["w13_weight"])
     out = _run(experts, layer, x, logits, topk, relu2)
-    ref = reference_moe(x, w1, w2, logits, topk, True, activation="relu2")
+    ref = moe_reference.torch_moe(x, w1, w2, logits, topk, True, activation="relu2")
     err = rel_rms_error(out, ref)
     assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
     # Control: had the preparation swapped the halves of the I rows (a reorder
     # applied to non-gated experts), FC1's channels would no longer match w2's.
-    wrong = reference_moe(x, _swap_halves(w1), w2, logits, topk, True, "relu2")
+    wrong = moe_reference.torch_moe(
+        x, _swap_halves(w1), w2, logits, topk, True, "relu2"
+    )
     control = rel_rms_error(out, wrong)
     assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"halves swapped: {control:.3f}"
     if cls is FlashInferB12xEmulatedExperts:
@@ -277,10 +283,10 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, relu2)
         dw1, dw2 = dequantized_experts(tensors, gated=False)
-        ref_q = reference_moe(x, dw1, dw2, logits, topk, True, "relu2")
+        ref_q = moe_reference.torch_moe(x, dw1, dw2, logits, topk, True, "relu2")
         err = rel_rms_error(out_wo, ref_q)
         assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
-        ref_q_wrong = reference_moe(
+        ref_q_wrong = moe_reference.torch_moe(
             x, _swap_halves(dw1), dw2, logits, topk, True, "relu2"
         )
         control = rel_rms_error(out_wo, ref_q_wrong)
@@ -312,10 +318,10 @@ def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     assert out.shape == (m, k) and out.dtype == torch.bfloat16
     name = "silu" if gated else "relu2"
     dw1, dw2 = dequantized_experts(tensors, gated=gated)
-    ref = reference_moe(x, dw1, dw2, logits, topk, True, name)
+    ref = moe_reference.torch_moe(x, dw1, dw2, logits, topk, True, name)
     err = rel_rms_error(out, ref)
     assert err < W4A16_TOL, f"W4A16 vs dequantized: {err:.4f}"
-    wrong = reference_moe(x, _swap_halves(dw1), dw2, logits, topk, True, name)
+    wrong = moe_reference.torch_moe(x, _swap_halves(dw1), dw2, logits, topk, True, name)
     control = rel_rms_error(out, wrong)
     assert control > WEIGHTS_ONLY_CONTROL_MARGIN * W4A16_TOL, control
 
