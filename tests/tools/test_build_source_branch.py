@@ -8,6 +8,7 @@ series, no git, too little disk) refused in one line with nothing lost."""
 
 import hashlib
 import io
+import re
 import shutil
 import subprocess
 import tarfile
@@ -30,6 +31,7 @@ SDIST_FILES = {
     "vllm/a.py": b"def a():\r\n    return 1\r\n",  # CRLF: bytes, not text
     "tests/test_a.py": b"def test_a():\n    pass\n",
 }
+GIT_TREES = "the source trees are git repositories"
 WHEEL = b"not really a wheel, but the manifest's bytes"
 
 
@@ -265,16 +267,33 @@ def test_a_pr_that_does_not_compile_stops_before_the_branch_moves(env):
 def test_no_git_and_too_little_disk_are_one_line_errors(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(bsb.shutil, "which", lambda name: None)
     assert bsb.main(["--no-install"]) == 2
-    assert (
-        capsys.readouterr().err
-        == "build_source_branch: git is not installed; the source trees are git repositories\n"
-    )
+    err = capsys.readouterr().err
+    assert err == f"build_source_branch: git is not installed; {GIT_TREES}\n"
     monkeypatch.undo()
     monkeypatch.setattr(
         bsb.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 30)
     )
     with pytest.raises(
         bsb.SourceError,
-        match=r"1\.0 GiB free under .*, about 4\.4 GiB needed: 2 source trees with git, sdists and wheels \(700 MiB each\), the venv",
+        match=r"1\.0 GiB free under .*, about 4\.8 GiB needed: 2 source trees "
+        r"with git, sdists and wheels \(900 MiB each\), the venv",
     ):
         bsb.check_disk(tmp_path / "build", ["0.34.0", "0.33.0"], venv=True)
+
+
+@pytest.mark.parametrize(
+    "marker,tool",
+    [
+        ("source-command", "python tools/build_source_branch.py"),
+        ("compare-command", "python tools/compare_upstream_tests.py"),
+        ("gates-command", "python tools/upstream_gates.py"),
+    ],
+)
+def test_the_readmes_commands_are_one_line_and_name_files_that_exist(marker, tool):
+    text = (bsb.ROOT / "README.md").read_text()
+    block = text.split(f"<!-- {marker} -->\n```bash\n", 1)[1].split("```", 1)[0]
+    (command,) = block.strip().splitlines()
+    assert command.split(" && ")[-1] == tool
+    for requirements in re.findall(r"-r (\S+)", command):
+        assert (bsb.ROOT / requirements).is_file(), requirements
+    assert (bsb.ROOT / tool.split()[-1]).is_file()

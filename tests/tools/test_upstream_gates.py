@@ -38,11 +38,8 @@ def _commit(tree: Path, message: str, files: dict) -> None:
 
 @pytest.fixture
 def tree(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        upstream_gates,
-        "_hooks",
-        lambda py, changed: {"lint": [sys.executable, "-c", LINT, *py]},
-    )
+    hooks = {"lint": ([sys.executable, "-c", LINT], upstream_gates.PY)}
+    monkeypatch.setattr(upstream_gates, "HOOKS", hooks)
     git(tmp_path, "init", "-q", "-b", BRANCH)
     _commit(
         tmp_path, "v", {"vllm/a.py": "x = 1  # SHOUT\n", upstream_gates.STEP[0]: STEP}
@@ -63,7 +60,7 @@ def test_upstreams_own_findings_pass_new_ones_fail(tree):
     assert _results(tree) == {
         "lint": [],
         "Signed-off-by": [],
-        "kernels-moe-test dependencies": [],
+        "kernels-moe-test deps": [],
     }
     _commit(tree, "new\n\nSigned-off-by: A <a@x>", {"vllm/b.py": "z = 3  # SHOUT\n"})
     assert _results(tree)["lint"] == ["vllm/b.py:1: shout"]
@@ -76,4 +73,4 @@ def test_unsigned_commits_and_uncovered_files_fail(tree):
     got = _results(tree)
     (unsigned,) = got["Signed-off-by"]
     assert unsigned.startswith("not signed off: ") and unsigned.endswith(" unsigned")
-    assert got["kernels-moe-test dependencies"] == ["not covered: tests/test_c.py"]
+    assert got["kernels-moe-test deps"] == ["not covered: tests/test_c.py"]
