@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The interface check of test_interfaces.py: this branch's modules beside
-vLLM 0.33.0's, by what they define and what they take from each other.
+vLLM the release's, by what they define and what they take from each other.
 
 Three trees are read as source (tools/fork_interfaces.py):
 
-* *upstream*: unmodified 0.33.0 (``upstream_env.unmodified_tree()``);
-* *the fork*: the installed wheel, 0.33.0 with this branch spliced in
+* *upstream*: the unmodified release (``upstream_env.unmodified_tree()``);
+* *the fork*: the installed wheel, the release with this branch spliced in
   (what ships: a spliced definition there is the slice's text, its bases
   and helpers upstream's);
 * *the slice*: this repository's ``vllm/`` (its stand-ins and harness
@@ -45,7 +45,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from upstream_env import REPO_ROOT, SLICE_VLLM, unmodified_tree
+from upstream_env import REPO_ROOT, SLICE_VLLM, UPSTREAM_VERSION, unmodified_tree
 
 try:  # tests/upstream's pytest.ini puts tools/ on sys.path
     import build_fork_wheel
@@ -69,19 +69,20 @@ __all__ = [
 ]
 
 MANIFEST = REPO_ROOT / "tools" / "fork_manifest.toml"
+_RELEASE = UPSTREAM_VERSION
 DOCS_PAGE = REPO_ROOT / "docs" / "design" / "nvfp4_moe_weight_preparation.md"
-#: The table of the slice's harness names beside 0.33.0's sits between these
-#: markers in the design page.
-TABLE_BEGIN = "<!-- interface-table:begin -->"
-TABLE_END = "<!-- interface-table:end -->"
+#: The table of the slice's harness names beside the release's sits between
+#: these markers in the design page, one table per release.
+TABLE_BEGIN = f"<!-- interface-table:{_RELEASE}:begin -->"
+TABLE_END = f"<!-- interface-table:{_RELEASE}:end -->"
 #: Where test_interfaces.py writes the table it computes (default
-#: build/fork/interfaces.md).
+#: build/fork/<release>/interfaces.md).
 TABLE_ENV = "VLLM_FORK_INTERFACE_TABLE"
 _CHANGED_MODES = ("splice", "replace", "envs")
 
 
 def table_path() -> Path:
-    path = Path(os.environ.get(TABLE_ENV) or "build/fork/interfaces.md")
+    path = Path(os.environ.get(TABLE_ENV) or f"build/fork/{_RELEASE}/interfaces.md")
     return path if path.is_absolute() else REPO_ROOT / path
 
 
@@ -197,7 +198,7 @@ class Interfaces:
     # -- paths -------------------------------------------------------------
     @cached_property
     def shared_paths(self) -> list[str]:
-        """Every .py under the slice's vllm/ that 0.33.0's vllm/ also has."""
+        """Every .py under the slice's vllm/ that the release's vllm/ also has."""
         paths = []
         for path in sorted(SLICE_VLLM.rglob("*.py")):
             rel = path.relative_to(REPO_ROOT).as_posix()
@@ -214,7 +215,7 @@ class Interfaces:
         return entry is not None and name in entry.definitions
 
     def upstream_module(self, module: str) -> bool:
-        """A module of 0.33.0's tree the fork keeps as upstream's or
+        """A module of the release's tree the fork keeps as upstream's or
         changes (not one the branch adds)."""
         return module not in self.new_modules and self.upstream.has_module(module)
 
@@ -270,7 +271,7 @@ class Interfaces:
 
     # -- 2. upstream's importers ---------------------------------------------
     def importer_names(self) -> tuple[_Stats, list[fi.ImporterUse]]:
-        """Every name 0.33.0's vllm/ modules take from a changed module,
+        """Every name the release's vllm/ modules take from a changed module,
         looked up in the fork's module (imported here), and each of their
         calls of one bound to the fork's signature."""
         targets = set(self.changed)
@@ -334,7 +335,7 @@ class Interfaces:
                 yield entry.path, entry.module, names
 
     def shipped_code_uses(self) -> tuple[_Stats, list[UseCheck]]:
-        """Each name the shipped code takes from 0.33.0's modules (imports,
+        """Each name the shipped code takes from the release's modules (imports,
         chains on imported modules and classes, ``self.x`` inherited from
         upstream's base classes, ``super()``, attributes of parameters
         annotated with upstream's classes), resolved in the fork; each call
@@ -557,7 +558,7 @@ class Interfaces:
                 for var in _env_keys(self.slice, module):
                     if var in entry.variables:
                         continue
-                    text = "same" if var in up_env else "not in 0.33.0"
+                    text = "same" if var in up_env else f"not in {_RELEASE}"
                     rows.append((path, var, text))
             mod = self.slice.module(module)
             for name in sorted(used.get(module, ())):
@@ -586,37 +587,37 @@ class Interfaces:
         result = fi.compare_definition(self.upstream, self.slice, module, name)
         if name in result.added:
             if self._fork_binds(module, name) is None:
-                return "0.33.0 binds it when the module runs: not compared"
-            return "not in 0.33.0"
+                return f"{_RELEASE} binds it when the module runs: not compared"
+            return f"not in {_RELEASE}"
         if not result.differences:
             return "same"
         return _summary(name, result)
 
     def _reexport_difference(self, module: str, name: str) -> str:
-        """A name the slice's module imports: "same" when 0.33.0's module
+        """A name the slice's module imports: "same" when the release's module
         imports the same definition (whose own differences are listed at
         its module). Where 0.33.0 binds the name only when the module runs
         (``import *``), the fork's objects are compared."""
         ours = self.slice.qualify(module, [name])
         if self.upstream.has_module(f"{module}.{name}"):
-            return f"0.33.0's is its submodule `{name}`"
+            return f"{_RELEASE}'s is its submodule `{name}`"
         parsed = self.upstream.module(module)
         if parsed is not None and parsed.binding(name) is not None:
             theirs = self.upstream.qualify(module, [name])
             if theirs == ours:
                 return "same"
-            return f"0.33.0's is `{_short(theirs)}`, the slice's `{_short(ours)}`"
+            return f"{_RELEASE}'s is `{_short(theirs)}`, the slice's `{_short(ours)}`"
         if self._fork_binds(module, name) is not None:
-            return "not in 0.33.0"
+            return f"not in {_RELEASE}"
         bound = getattr(importlib.import_module(module), name, _MISSING)
         defined, _ = self._import_qualname(ours)
         if bound is not _MISSING and bound is defined:
             return "same"
-        return f"0.33.0 binds it when the module runs, not to `{_short(ours)}`"
+        return f"{_RELEASE} binds it when the module runs, not to `{_short(ours)}`"
 
     def harness_table(self) -> str:
         """The Markdown table of :meth:`harness_rows`, a module's names in
-        the order the slice defines them: those the same as 0.33.0's on one
+        the order the slice defines them: those the same as the release's on one
         line, those 0.33.0 lacks on another, then one line per other name;
         the module cell only on its first line."""
         lines = ["| module | name | difference |", "|---|---|---|"]
@@ -628,7 +629,7 @@ class Interfaces:
             if _module_name(path)[0] in self.changed:
                 label += " (changed file)"
             out = []
-            for kind, text in (("same", "same as 0.33.0"), (_ABSENT, _ABSENT)):
+            for kind, text in (("same", f"same as {_RELEASE}"), (_ABSENT, _ABSENT)):
                 names = [n for n, t in rows if t == kind]
                 if names:
                     out.append((", ".join(f"`{n}`" for n in names), text))
@@ -639,8 +640,8 @@ class Interfaces:
         return "\n".join(lines) + "\n"
 
 
-_ABSENT = "not in 0.33.0"
-_USED_UPSTREAM_ONLY = "not in the slice: 0.33.0's, the shipped code uses it"
+_ABSENT = f"not in {_RELEASE}"
+_USED_UPSTREAM_ONLY = f"not in the slice: {_RELEASE}'s, the shipped code uses it"
 _MISSING = object()
 
 
@@ -728,9 +729,9 @@ def _bind_problem(
 
 
 def _summary(name: str, result: fi.Comparison) -> str:
-    """One line for a name whose interface differs from 0.33.0's: per
+    """One line for a name whose interface differs from the release's: per
     member, its differences (long lists counted); the members the slice
-    adds; how many of 0.33.0's it lacks."""
+    adds; how many of the release's it lacks."""
     by_member: dict[str, list[str]] = {}
     lacking = 0
     for d in result.differences:
@@ -745,9 +746,9 @@ def _summary(name: str, result: fi.Comparison) -> str:
         parts.append(f"`{member}`: {text}" if member else text)
     added = [a[len(name) + 1 :] for a in result.added if a.startswith(name + ".")]
     if added:
-        parts.append("not in 0.33.0's: " + ", ".join(f"`{a}`" for a in added))
+        parts.append(f"not in {_RELEASE}'s: " + ", ".join(f"`{a}`" for a in added))
     if lacking:
-        parts.append(f"lacks {lacking} of 0.33.0's members")
+        parts.append(f"lacks {lacking} of {_RELEASE}'s members")
     text = "; ".join(parts)
     for old, new in _HARNESS_WORDS:
         text = text.replace(old, new)
@@ -756,8 +757,8 @@ def _summary(name: str, result: fi.Comparison) -> str:
 
 # fork_interfaces' words for the two sides, as the table names them.
 _HARNESS_WORDS = (
-    (" upstream,", " in 0.33.0,"),
-    (" upstream ", " in 0.33.0 "),
+    (" upstream,", f" in {_RELEASE},"),
+    (" upstream ", f" in {_RELEASE} "),
     (" in the branch", " in the slice"),
     ("the branch's class", "the slice's class"),
 )
@@ -790,7 +791,7 @@ def _compress(texts: list[str]) -> str:
             other.append(t)
     out = []
     if dropped:
-        out.append("drops " + _names_or_count(dropped, "of 0.33.0's parameters"))
+        out.append("drops " + _names_or_count(dropped, f"of {_RELEASE}'s parameters"))
     if defaulted:
         out.append("gives " + _names_or_count(defaulted, "parameters") + " a default")
     return ", ".join(out + other)

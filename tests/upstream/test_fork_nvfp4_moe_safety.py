@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
     REL_RMS_TOLERANCE,
     SMALL,
@@ -123,15 +124,23 @@ def test_modelopt_prepared_twice_changes_nothing(one_rank_b12x_vllm):
     assert errors["rel_rms_gate_up_swapped"] > 10 * REL_RMS_TOLERANCE
 
 
-def test_compressed_tensors_method_cannot_run_twice(one_rank_b12x_vllm):
-    # Upstream's own method renames w13_weight_packed -> w13_weight (and
-    # deletes the former): a second call fails at once, before any write.
+def test_compressed_tensors_method_run_twice(one_rank_b12x_vllm):
+    # 0.33.0's method renames w13_weight_packed -> w13_weight (and deletes the
+    # former): a second call fails at once, before any write. 0.34.0's
+    # registers the one parameter under both names (move_parameter): a second
+    # call runs, and must change nothing.
     layer, experts, _ = prepare_layer(SMALL, "compressed-tensors")
     before = prepared_b12x_report(layer, experts, "compressed-tensors")
-    with pytest.raises(AttributeError, match="w13_weight_packed"):
+    if UPSTREAM_VERSION == "0.33.0":
+        with pytest.raises(AttributeError, match="w13_weight_packed"):
+            layer.quant_method.process_weights_after_loading(layer)
+    else:
+        assert layer.w13_weight_packed is layer.w13_weight
         layer.quant_method.process_weights_after_loading(layer)
     after = prepared_b12x_report(layer, experts, "compressed-tensors")
     assert after["digests"] == before["digests"]
+    for key in ("w1_alpha", "w2_alpha", "g1_alphas", "g2_alphas", "parameters"):
+        assert after[key] == before[key], key
     assert function_errors(layer, experts, SMALL)["rel_rms"] <= REL_RMS_TOLERANCE
 
 
@@ -181,10 +190,10 @@ def test_interrupted_preparation_resumes_to_the_same_bytes(
             _apply_real(layer)
         with pytest.raises(RuntimeError, match="not prepared|before process_weights"):
             emulated_apply(layer, *moe_inputs(SMALL, 8, 0), bind=False)
-        if checkpoint_format == "modelopt":
+        if checkpoint_format == "modelopt" or UPSTREAM_VERSION != "0.33.0":
             layer.quant_method.process_weights_after_loading(layer)
         else:
-            # Upstream's method renamed w13_weight_packed before the experts
+            # 0.33.0's method renamed w13_weight_packed before the experts
             # ran: its second call fails at once; the experts' resumes.
             with pytest.raises(AttributeError, match="w13_weight_packed"):
                 layer.quant_method.process_weights_after_loading(layer)

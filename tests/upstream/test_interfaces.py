@@ -26,7 +26,7 @@ from interface_check import (
     docs_table,
     table_path,
 )
-from upstream_env import unmodified_tree_problem
+from upstream_env import UPSTREAM_VERSION, unmodified_tree_problem
 
 # The b12x experts' interface as upstream's subclasses and the modular
 # kernel use it: a vacuous comparison (nothing found) must fail.
@@ -49,7 +49,7 @@ ORACLE_MODULE = "vllm.model_executor.layers.fused_moe.oracle.nvfp4"
 FP4_MOE_MODULE = "vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe"
 # What 0.33.0's modules import from it: the NVFP4 oracle, the MXINT4 MoE
 # preparation (the reorder) and the Flint model's MoE ops.
-FP4_MOE_IMPORTED = (
+_FP4_MOE_IMPORTED_0_33 = (
     "interleave_linear_and_gate",
     "nvfp4_swizzled_scale_to_cutedsl_mma_view",
     "prepare_nvfp4_moe_layer_for_fi_or_cutlass",
@@ -57,6 +57,11 @@ FP4_MOE_IMPORTED = (
     "reorder_w13_to_w31_for_flashinfer_cutedsl",
     "reorder_w1w3_to_w3w1",
 )
+#: Per release, the names upstream's modules take from flashinfer_fp4_moe.py.
+FP4_MOE_IMPORTED = {
+    "0.33.0": _FP4_MOE_IMPORTED_0_33,
+    "0.34.0": (*_FP4_MOE_IMPORTED_0_33, "prepare_static_weights_for_trtllm_fp4_moe"),
+}
 
 
 def _none(found: list, what: str) -> None:
@@ -105,7 +110,7 @@ def test_upstream_importers_find_their_names_in_the_fork(
         f"{len(stats.problems)} problems",
     )
     taken = {u.name for u in uses if u.module == FP4_MOE_MODULE}
-    assert taken == set(FP4_MOE_IMPORTED)
+    assert taken == set(FP4_MOE_IMPORTED[UPSTREAM_VERSION])
     called = {(u.module, u.name) for u in uses if u.call is not None}
     assert (FP4_MOE_MODULE, "prepare_nvfp4_moe_layer_for_fi_or_cutlass") in called
     assert (ORACLE_MODULE, "make_nvfp4_moe_quant_config") in called
