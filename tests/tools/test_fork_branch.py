@@ -1,0 +1,307 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""tools/fork_branch.py on a tiny synthetic release (tests/tools/fork_fixtures.py):
+each edit kind gives exactly the expected text, and every refusal names the
+release, file and definition and writes nothing."""
+
+import shutil
+
+import pytest
+
+from tests.tools.fork_fixtures import BUILDKITE, FILES, UPSTREAM, Toy, dedent
+from tools.fork_branch import BranchError, apply_branch, main
+
+OPS = dedent('''
+    """Upstream's ops."""
+
+    import math
+    import os
+
+    from vllm.helpers import helper
+
+
+    def _scale(x):
+        return math.sqrt(x)
+
+
+    def unchanged(a):
+        return a + 2
+
+
+    def pick(backend, use_a16):
+        # which config
+        if use_a16 and backend in ("B12X", "FLASHINFER_B12X"):
+            return "w4a16"
+        assert backend in [
+            "X",
+            "Y",
+        ]
+        if backend == "FLASHINFER_B12X":
+            # the branch's early return
+            return _scale(4.0)
+
+        # reorder for these
+        gated = True
+        if gated and backend in [
+            "CUTLASS",
+            "TRTLLM",
+        ]:
+            return helper(os.sep)
+        return "w4a4"
+
+
+    class Experts:
+        """The branch's experts."""
+
+        def __init__(self):
+            self.x = 2
+
+        def prepare(self):
+            return _scale(self.x)
+
+        def keep(self):
+            return self.x  # kept as upstream wrote it
+    ''')
+
+ENVS = dedent("""
+    import os
+
+    if TYPE_CHECKING:
+        VLLM_A: int = 0
+        VLLM_B: bool = False
+
+    environment_variables = {
+        # upstream's variable
+        "VLLM_A": lambda: int(os.getenv("VLLM_A", "0")),
+        # the branch's variable
+        "VLLM_B": lambda: bool(int(os.getenv("VLLM_B", "0"))),
+    }
+    """)
+
+
+@pytest.fixture
+def toy(tmp_path):
+    return Toy(tmp_path)
+
+
+def _apply(toy, **kwargs):
+    return apply_branch(
+        toy.tree, "1.0.0", repo=toy.repo, manifest=toy.manifest, **kwargs
+    )
+
+
+def test_every_edit_kind_gives_exactly_the_expected_text(toy):
+    report = _apply(toy, source=True)
+    assert (toy.tree / "vllm/ops.py").read_text() == OPS
+    assert (toy.tree / "vllm/envs.py").read_text() == ENVS
+    assert (toy.tree / "vllm/newmod.py").read_text() == (
+        toy.repo / "vllm/newmod.py"
+    ).read_text()
+    assert (toy.tree / "vllm/helpers.py").read_text() == UPSTREAM["vllm/helpers.py"]
+    assert sorted(report.written) == [
+        ".buildkite/kernels.yaml",
+        "vllm/envs.py",
+        "vllm/newmod.py",
+        "vllm/ops.py",
+    ]
+
+
+def test_buildkite_step_gets_the_uncovered_vllm_files_in_source_trees_only(toy):
+    _apply(toy)
+    assert (toy.tree / ".buildkite/kernels.yaml").read_text() == BUILDKITE
+    fresh = Toy(toy.root / "again")
+    apply_branch(
+        fresh.tree, "1.0.0", repo=fresh.repo, manifest=fresh.manifest, source=True
+    )
+    expected = BUILDKITE.replace(
+        "  - vllm/model_executor/\n",
+        "  - vllm/model_executor/\n  - vllm/newmod.py\n  - vllm/ops.py\n",
+    )
+    assert (fresh.tree / ".buildkite/kernels.yaml").read_text() == expected
+
+
+def test_one_pr_at_a_time_gives_the_same_tree_as_all_at_once(toy):
+    _apply(toy, prs=["first"])
+    first = (toy.tree / "vllm/ops.py").read_text()
+    assert "def _scale" in first and 'class Experts:\n    """Upstream\'s' in first
+    _apply(toy, prs=["second"])
+    fresh = Toy(toy.root / "all")
+    apply_branch(fresh.tree, "1.0.0", repo=fresh.repo, manifest=fresh.manifest)
+    assert toy.snapshot() == fresh.snapshot()
+
+
+def test_same_inputs_give_the_same_bytes(toy):
+    other = Toy(toy.root / "other")
+    _apply(toy, source=True)
+    apply_branch(
+        other.tree, "1.0.0", repo=other.repo, manifest=other.manifest, source=True
+    )
+    assert toy.snapshot() == other.snapshot()
+
+
+def _refused(toy, match, **kwargs):
+    before = toy.snapshot()
+    with pytest.raises(BranchError, match=match) as info:
+        _apply(toy, **kwargs)
+    assert "\n" not in str(info.value)
+    assert toy.snapshot() == before, "a refused apply wrote something"
+    return str(info.value)
+
+
+def test_a_planted_change_in_upstream_stops_it_naming_release_file_definition(toy):
+    path = toy.tree / "vllm/ops.py"
+    path.write_text(path.read_text().replace('return "w4a4"', 'return "w4a8"'))
+    message = _refused(toy, "upstream's source changed")
+    assert message.startswith("vllm 1.0.0: vllm/ops.py: pick: ")
+
+
+def test_whitespace_alone_is_not_drift(toy):
+    path = toy.tree / "vllm/ops.py"
+    path.write_text(path.read_text().replace("return  a  +  1", "return a+1"))
+    _apply(toy)
+    assert (toy.tree / "vllm/ops.py").read_text() == OPS
+
+
+def test_an_unknown_release_is_refused_with_the_supported_list(toy):
+    with pytest.raises(
+        BranchError, match=r"vllm 9\.9\.9 is not supported \(1\.0\.0 are\)"
+    ):
+        apply_branch(toy.tree, "9.9.9", repo=toy.repo, manifest=toy.manifest)
+
+
+def test_the_cli_refuses_with_one_line_and_exit_2(toy, capsys):
+    assert main(["apply", str(toy.tree), "0.1.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not supported (0.34.0, 0.33.0 are)" in err
+
+
+@pytest.mark.parametrize(
+    "old, new, match",
+    [
+        # an anchor upstream's definition does not have, or has twice
+        (
+            'insert_before = "gated = True"',
+            'insert_before = "gated = False"',
+            "matches 0 places",
+        ),
+        (
+            'insert_before = "gated = True"',
+            'insert_before = "return \\"w4a8\\""',
+            "matches 0 places",
+        ),
+        (
+            """replace = "backend == 'B12X' and use_a16\"""",
+            'replace = "backend"',
+            "matches 4 places",
+        ),
+        ("remove = '\"B12X\"'", "remove = '\"B13X\"'", "is not once an element"),
+        # the branch's `if` to take is not there
+        (
+            "take = 'backend == \"FLASHINFER_B12X\"'",
+            "take = 'backend == \"B14X\"'",
+            "matches 0 places",
+        ),
+        # names the files do not define
+        (
+            'drop = ["Experts.MAP", "Experts.old"]',
+            'drop = ["Experts.gone"]',
+            "Experts.gone: not found",
+        ),
+        ('add = ["Experts.prepare"]', 'add = ["Experts.keep"]', "upstream defines it"),
+    ],
+)
+def test_anchors_and_names_must_match_exactly_once(toy, old, new, match):
+    assert old in FILES
+    toy.write_manifest(FILES.replace(old, new))
+    assert "vllm 1.0.0: vllm/ops.py" in _refused(toy, match)
+
+
+def test_an_anchor_matching_two_places_is_refused(toy):
+    path = toy.tree / "vllm/ops.py"
+    text = path.read_text().replace(
+        '    return "w4a4"', '    gated = True\n    return "w4a4"'
+    )
+    path.write_text(text)
+    toy.write_manifest()  # hashes of the changed upstream: drift passes
+    _refused(
+        toy, "vllm 1.0.0: vllm/ops.py: pick: 'gated = True' matches 2 places, not 1"
+    )
+
+
+def test_a_relied_on_definition_needs_its_hash_and_is_checked(toy):
+    # The branch's _scale calls keep_me, which upstream defines (the branch's
+    # file has it as a stand-in): the fork relies on upstream's.
+    stand_in = "\n\ndef keep_me():\n    return 1\n"
+    branch = (toy.repo / "vllm/ops.py").read_text()
+    branch = branch.replace("math.sqrt(x)", "math.sqrt(x) + keep_me()")
+    (toy.repo / "vllm/ops.py").write_text(branch + stand_in)
+    ops = toy.tree / "vllm/ops.py"
+    ops.write_text(ops.read_text() + stand_in)
+    _refused(
+        toy, r"vllm/ops.py: keep_me: no sha256 recorded \(the branch relies on it\)"
+    )
+    toy.write_manifest(extra=("keep_me",))
+    ops.write_text(ops.read_text().replace("return 1", "return 2"))
+    _refused(toy, "vllm/ops.py: keep_me: upstream's source changed")
+    ops.write_text(ops.read_text().replace("return 2", "return 1"))
+    _apply(toy)
+    assert "math.sqrt(x) + keep_me()" in ops.read_text()
+
+
+def test_code_reading_a_name_upstream_lacks_is_refused(toy):
+    text = (toy.repo / "vllm/ops.py").read_text().replace("math.sqrt(x)", "_missing(x)")
+    (toy.repo / "vllm/ops.py").write_text(text + "\n\ndef _missing(x):\n    return x\n")
+    _refused(toy, "reads _missing; upstream does not define it")
+
+
+def test_a_new_file_upstream_already_has_is_refused(toy):
+    (toy.tree / "vllm/newmod.py").write_text("UPSTREAMS = 1\n")
+    _refused(toy, "vllm/newmod.py: the release already has this file")
+
+
+def test_an_import_that_does_not_resolve_is_refused(toy):
+    (toy.repo / "vllm/newmod.py").write_text("from vllm.helpers import nothing\n")
+    _refused(toy, "imports nothing from vllm.helpers, which lacks it")
+    (toy.repo / "vllm/newmod.py").write_text("from vllm.nowhere import x\n")
+    _refused(toy, "imports vllm.nowhere, which the tree lacks")
+
+
+def test_envs_refuses_a_variable_upstream_has(toy):
+    path = toy.tree / "vllm/envs.py"
+    path.write_text(path.read_text().replace('"VLLM_A"', '"VLLM_B"'))
+    _refused(toy, "vllm/envs.py: upstream has VLLM_B")
+
+
+def test_an_unknown_pr_is_refused(toy):
+    with pytest.raises(
+        BranchError, match=r"no PR 'third' \(the series: \['first', 'second'\]\)"
+    ):
+        _apply(toy, prs=["third"])
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ('[[files]]\npath = "vllm/ops.py"\npr = "nope"\n', "no PR 'nope'"),
+        (
+            '[[files]]\npath = "vllm/ops.py"\npr = "first"\nreplce = []\n',
+            "unknown key 'replce'",
+        ),
+        ('[[files]]\npr = "first"\n', "missing or unknown key 'path'"),
+    ],
+)
+def test_the_manifest_is_checked(toy, edit, match):
+    with pytest.raises(BranchError, match=match):
+        toy.write_manifest(edit, hashes=False)
+
+
+def test_the_branch_files_are_read_from_src(toy):
+    shutil.move(toy.repo / "vllm/envs.py", toy.repo / "elsewhere_envs.py")
+    toy.write_manifest(
+        FILES.replace(
+            'path = "vllm/envs.py"\n',
+            'path = "vllm/envs.py"\nsrc = "elsewhere_envs.py"\n',
+        )
+    )
+    _apply(toy)
+    assert (toy.tree / "vllm/envs.py").read_text() == ENVS
