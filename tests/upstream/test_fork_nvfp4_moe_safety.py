@@ -24,12 +24,12 @@ silently wrong layer.
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from upstream_reload import load_through_weight_loader
 
 from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
     REL_RMS_TOLERANCE,
     SMALL,
-    checkpoint_params,
     emulated_apply,
     function_errors,
     load_synthetic_experts,
@@ -88,27 +88,6 @@ def _apply_real(layer):
         False,
     )
     return out
-
-
-def load_through_weight_loader(layer, experts, checkpoint_format: str) -> None:
-    """Every shard of ``experts`` through each parameter's ``weight_loader``
-    (upstream's ``RoutedExperts.weight_loader``, shard ids w1 / w3 / w2, one
-    expert at a time, scalars per shard), as vLLM's model loader calls it."""
-    params = dict(layer.named_parameters())
-    i = experts.w13.shape[1] // 2
-    prefix = "model.layers.0.mlp.experts"
-    for name, value in checkpoint_params(experts, checkpoint_format).items():
-        param = params[name]
-        for e in range(value.shape[0]):
-            if name.startswith("w13_"):
-                for half, shard in enumerate(("w1", "w3")):
-                    if value.dim() == 2:
-                        part = value[e, half]
-                    else:
-                        part = value[e, half * i : (half + 1) * i]
-                    param.weight_loader(param, part, f"{prefix}.{name}", shard, e)
-            else:
-                param.weight_loader(param, value[e], f"{prefix}.{name}", "w2", e)
 
 
 def test_modelopt_prepared_twice_changes_nothing(one_rank_b12x_vllm):

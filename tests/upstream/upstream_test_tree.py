@@ -144,18 +144,24 @@ class ChildRun:
     record: dict[str, Any]
 
 
-def run_pytest(root: Path, args: list[str], timeout: float) -> ChildRun:
+def run_pytest(
+    root: Path, args: list[str], timeout: float, pythonpath: tuple[Path, ...] = ()
+) -> ChildRun:
     """``python -m pytest -p no:cacheprovider -p pytest_outcomes *args`` in
-    ``root/tests`` with this interpreter (the installed vllm; never the
-    repository root on ``sys.path``: ``PYTHONPATH`` is this directory, for
-    the plugin, then this process's own). Raises RuntimeError if the child
-    wrote no record (it did not get to the end of its session)."""
+    ``root/tests`` with this interpreter (the installed vllm, or the tree
+    first in ``pythonpath``, e.g. the unmodified release; never the
+    repository root on ``sys.path``: ``PYTHONPATH`` is ``pythonpath``, this
+    directory, for the plugin, then this process's own). Raises RuntimeError
+    if the child wrote no record (it did not get to the end of its
+    session)."""
     with tempfile.TemporaryDirectory(prefix="pytest-outcomes-") as tmp:
         out = Path(tmp) / "outcomes.json"
         inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(_HERE), *inherited]),
+            "PYTHONPATH": os.pathsep.join(
+                [*map(str, pythonpath), str(_HERE), *inherited]
+            ),
             OUTCOMES_ENV: str(out),
         }
         proc = subprocess.run(
