@@ -114,7 +114,8 @@ def _fetch(release: Release, wheel: Path | None, download: Path) -> Path:
         download.mkdir(parents=True, exist_ok=True)
         print(f"downloading {release.wheel} with pip")
         cmd = [sys.executable, "-m", "pip", "download", f"vllm=={release.version}"]
-        cmd += ["--no-deps", "--only-binary=:all:", "--implementation", "cp"]
+        cmd += ["--no-deps", "--only-binary=:all:", "--ignore-requires-python"]
+        cmd += ["--implementation", "cp"]
         cmd += ["--python-version", tag.interpreter[2:], "--abi", tag.abi]
         cmd += ["--platform", tag.platform, "-d", str(download)]
         _run(cmd, f"pip download vllm=={release.version}")

@@ -3,6 +3,7 @@
 """A tiny synthetic vLLM release, branch and manifest for the tools' tests."""
 
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,13 +25,24 @@ def dedent(text: str) -> str:
 UPSTREAM = {
     "vllm/__init__.py": "",
     "vllm/_version.py": "__version__ = version = '1.0.0'\n",
-    "vllm/helpers.py": "def helper(x):\n    return x\n",
+    "vllm/helpers.py": dedent("""
+        def helper(x):
+            return x
+
+
+        def old_helper(x):
+            return x
+
+
+        def fresh_helper(x):
+            return x
+        """),
     "vllm/ops.py": dedent('''
         """Upstream's ops."""
 
         import os
 
-        from vllm.helpers import helper
+        from vllm.helpers import helper, old_helper
 
 
         def unchanged(a):
@@ -70,7 +82,7 @@ UPSTREAM = {
                 return self.x  # kept as upstream wrote it
 
             def old(self):
-                return 0
+                return old_helper(0)
         '''),
     "vllm/envs.py": dedent("""
         import os
@@ -91,7 +103,7 @@ BRANCH = {
 
         import math
 
-        from vllm.helpers import helper
+        from vllm.helpers import fresh_helper, helper
 
 
         def _scale(x):
@@ -118,7 +130,7 @@ BRANCH = {
                 self.x = 2
 
             def prepare(self):
-                return _scale(self.x)
+                return fresh_helper(_scale(self.x))
 
             def keep(self):
                 return self.x
@@ -259,17 +271,14 @@ class Toy:
             if p.is_file()
         }
 
-    def wheel(self, out: Path) -> Path:
-        """The release as a wheel (``wheel pack``), named as the manifest says."""
+    def wheel(self, out: Path, plant: tuple[str, str] = ("", "")) -> Path:
+        """The release as a wheel (``wheel pack``), its sha256 in the manifest;
+        ``plant``: (old, new) text replaced in its vllm/ops.py."""
         root = self.root / "wheel-src"
-        _write(root, {p: t for p, t in UPSTREAM.items()})
+        _write(root, {p: t.replace(*plant) for p, t in UPSTREAM.items()})
         info = root / "vllm-1.0.0.dist-info"
-        _write(
-            info,
-            {
-                "WHEEL": "Wheel-Version: 1.0\nGenerator: toy\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-            },
-        )
+        wheel = "Wheel-Version: 1.0\nGenerator: toy\nRoot-Is-Purelib: true\n"
+        _write(info, {"WHEEL": wheel + "Tag: py3-none-any\n"})
         (info / "METADATA").write_text(
             "Metadata-Version: 2.1\nName: vllm\nVersion: 1.0.0\n"
             'Requires-Dist: toykernels==0.1; platform_machine == "x86_64"\n'
@@ -277,8 +286,12 @@ class Toy:
         )
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "wheel", "pack", str(root), "-d", str(out)]
-        subprocess.run(cmd, check=True, capture_output=True)
-        return out / "vllm-1.0.0-py3-none-any.whl"
+        env = {**os.environ, "SOURCE_DATE_EPOCH": "315532800"}
+        subprocess.run(cmd, check=True, capture_output=True, env=env)
+        path = out / "vllm-1.0.0-py3-none-any.whl"
+        self.wheel_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+        self.write_manifest()
+        return path
 
 
 def make_toy(root: Path, **kwargs) -> Toy:

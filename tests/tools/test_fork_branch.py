@@ -17,7 +17,7 @@ OPS = dedent('''
     import math
     import os
 
-    from vllm.helpers import helper
+    from vllm.helpers import fresh_helper, helper
 
 
     def _scale(x):
@@ -57,7 +57,7 @@ OPS = dedent('''
             self.x = 2
 
         def prepare(self):
-            return _scale(self.x)
+            return fresh_helper(_scale(self.x))
 
         def keep(self):
             return self.x  # kept as upstream wrote it
@@ -305,3 +305,13 @@ def test_the_branch_files_are_read_from_src(toy):
     )
     _apply(toy)
     assert (toy.tree / "vllm/envs.py").read_text() == ENVS
+
+
+def test_an_entry_for_some_releases_only(toy):
+    extra = '[[files]]\npath = "vllm/only_new.py"\npr = "first"\nnew = true\n'
+    extra += 'src = "vllm/newmod.py"\nreleases = ["1.0.0"]\n'
+    toy.write_manifest(FILES + extra)
+    _apply(toy)
+    assert (toy.tree / "vllm/only_new.py").is_file()
+    with pytest.raises(BranchError, match="no release 2.0.0"):
+        toy.write_manifest(FILES + extra.replace("1.0.0", "2.0.0"))

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""tools/follow_pypi.py offline (PyPI's JSON and the wheel given as files): a
+supported newest release passes, a supported release whose files changed on
+PyPI fails, a newer release is reported definition by definition and never
+fails."""
+
+import json
+import zipfile
+
+import pytest
+
+from tests.tools.fork_fixtures import UPSTREAM, Toy
+from tools.follow_pypi import drift_report, main
+from tools.fork_branch import load_manifest
+
+
+def _pypi(latest: str, tamper: str = "") -> dict:
+    releases = {}
+    for v, r in load_manifest().releases.items():
+        releases[v] = [
+            {"filename": r.wheel, "digests": {"sha256": r.wheel_sha256}},
+            {
+                "filename": r.sdist,
+                "digests": {"sha256": r.sdist_sha256 if v != tamper else "0" * 64},
+            },
+        ]
+    return {"info": {"version": latest}, "releases": releases}
+
+
+def _run(tmp_path, capsys, pypi: dict, *extra: str):
+    (tmp_path / "pypi.json").write_text(json.dumps(pypi))
+    code = main(["--json", str(tmp_path / "pypi.json"), *extra])
+    return code, capsys.readouterr()
+
+
+def test_the_newest_release_supported(tmp_path, capsys):
+    code, out = _run(tmp_path, capsys, _pypi("0.34.0"))
+    assert code == 0 and out.out == "0.34.0: supported (the newest on PyPI)\n"
+
+
+def test_a_supported_release_whose_bytes_changed_on_pypi_fails(tmp_path, capsys):
+    code, out = _run(tmp_path, capsys, _pypi("0.34.0", tamper="0.33.0"))
+    assert code == 1 and "0.33.0: vllm-0.33.0.tar.gz: PyPI has sha256 0000" in out.err
+
+
+def test_a_newer_release_is_reported_and_never_fails(tmp_path, capsys):
+    pypi = _pypi("0.35.0")
+    wheel = tmp_path / "vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm/__init__.py", "")
+    sha = __import__("hashlib").sha256(wheel.read_bytes()).hexdigest()
+    pypi["releases"]["0.35.0"] = [{"filename": wheel.name, "digests": {"sha256": sha}}]
+    code, out = _run(tmp_path, capsys, pypi, "--wheel", str(wheel))
+    assert code == 0, out.err
+    assert out.out.startswith(
+        "0.35.0: not supported yet (the newest supported: 0.34.0)\n"
+    )
+    oracle = "vllm/model_executor/layers/fused_moe/oracle/nvfp4.py"
+    assert f"make_nvfp4_moe_quant_config ({oracle})" in out.out
+    assert out.out.endswith("  unchanged: none\n")
+    # a wheel with other bytes than PyPI's is refused
+    pypi["releases"]["0.35.0"][0]["digests"]["sha256"] = "1" * 64
+    code, out = _run(tmp_path, capsys, pypi, "--wheel", str(wheel))
+    assert code == 2 and "not vllm 0.35.0's" in out.err
+
+
+@pytest.mark.parametrize(
+    "plant, drifted", [(("", ""), []), (("w4a4", "w4a8"), ["pick"])]
+)
+def test_drift_per_definition(tmp_path, plant, drifted):
+    toy = Toy(tmp_path)
+    wheel = toy.wheel(tmp_path / "wheels", plant=plant)
+    rows = drift_report(toy.manifest, wheel)
+    assert sorted(n for p, n, s in rows) == ["Experts", "pick", "unchanged"]
+    assert [n for p, n, s in rows if s == "drifted"] == drifted
+    assert all(p == "vllm/ops.py" for p, n, s in rows)
+    assert UPSTREAM  # the release the toy's hashes were recorded on

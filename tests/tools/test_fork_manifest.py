@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""tools/fork_manifest.toml against this tree, without a release: the PRs are
+cut so each imports only itself and earlier PRs, the edits' new code is the
+slice's own, and what ships speaks of vLLM only."""
+
+import ast
+import dataclasses
+import re
+
+import pytest
+
+from tools.fork_branch import ROOT, load_manifest
+from tools.fork_cst import bindings, find, match, parse, reads
+
+MANIFEST = load_manifest()
+PRS = [p.id for p in MANIFEST.prs]
+
+
+def _module_of(path: str) -> str:
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def _shipped(entry):
+    """(definition or file, its text) of what the entry puts in the release."""
+    branch = (ROOT / entry.src).read_text(encoding="utf-8")
+    if entry.new:
+        return [(entry.path, branch)]
+    module = parse(branch, entry.src)
+    out = [
+        (q, module.code_for_node(find(module, q, entry.src)))
+        for q in (*entry.replace, *entry.add)
+    ]
+    return out + [(e.inside, e.code) for e in entry.edits if e.code]
+
+
+def _imports(entry) -> set[tuple[str, str]]:
+    """(module, name) the entry's shipped code imports from vllm."""
+    if entry.new:
+        tree = ast.parse((ROOT / entry.src).read_text(encoding="utf-8"))
+        return {
+            (n.module, a.name)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("vllm")
+            for a in n.names
+        }
+    module = parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
+    names = reads(*(find(module, q, entry.src) for q in (*entry.replace, *entry.add)))
+    binds = bindings(module)
+    return {
+        binds[n][1:]
+        for n in names
+        if n in binds and binds[n][0] == "import" and binds[n][1].startswith("vllm")
+    }
+
+
+def _order_problems(files) -> tuple[list[str], int]:
+    new_in = {_module_of(e.path): e.pr for e in files if e.new}
+    placed_in = {
+        (_module_of(e.path), q): e.pr
+        for e in files
+        if not e.new
+        for q in (*e.replace, *e.add)
+        if "." not in q
+    }
+    problems, checked = [], 0
+    for entry in files:
+        for module, name in sorted(_imports(entry)):
+            checked += 1
+            owner = new_in.get(module) or placed_in.get((module, name))
+            if owner and PRS.index(owner) > PRS.index(entry.pr):
+                problems.append(
+                    f"{entry.path} ({entry.pr}) imports {module}.{name} of {owner}"
+                )
+    return problems, checked
+
+
+def test_each_pr_imports_only_itself_and_earlier_prs():
+    problems, checked = _order_problems(MANIFEST.files)
+    assert checked > 40, "the check found almost no imports: it is not looking"
+    assert problems == []
+
+
+def test_each_pr_reads_only_variables_of_itself_and_earlier_prs():
+    added = {v: e.pr for e in MANIFEST.files for v in e.envs}
+    read = 0
+    for entry in MANIFEST.files:
+        for where, text in _shipped(entry):
+            for var in set(re.findall(r"\bVLLM_[A-Z0-9_]+", text)) & set(added):
+                read += 1
+                owner = added[var]
+                assert PRS.index(owner) <= PRS.index(entry.pr), (
+                    f"{where} reads {var} of {owner}"
+                )
+    assert read >= len(added), "fewer reads than variables: the check is not looking"
+
+
+def test_a_file_moved_to_an_earlier_pr_is_caught():
+    w4a4 = "vllm/model_executor/layers/fused_moe/experts/flashinfer_b12x_w4a4.py"
+    files = [
+        dataclasses.replace(e, pr=PRS[0]) if e.path == w4a4 else e
+        for e in MANIFEST.files
+    ]
+    problems, _ = _order_problems(files)
+    assert any(p.startswith(f"{w4a4} ({PRS[0]}) imports ") for p in problems), problems
+
+
+def test_the_edits_new_code_is_the_slices_own():
+    for entry in (e for e in MANIFEST.files if e.edits):
+        module = parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
+        for edit in entry.edits:
+            if edit.inside.split(".")[0] not in bindings(module):
+                continue  # a stand-in src: the code is the manifest's alone
+            inside = find(module, edit.inside, entry.src)
+            if edit.kind == "replace":
+                match(inside, edit.code, f"the slice's {entry.src}")
+            elif edit.code:
+                for stmt in parse(edit.code, "code").body:
+                    match(inside, module.code_for_node(stmt), entry.src, statement=True)
+
+
+FORBIDDEN = re.compile(
+    r"this tree|the slice|this repository|stand[- ]in|\btests/", re.I
+)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [e for e in MANIFEST.files if e.path.startswith("vllm/")],
+    ids=lambda e: f"{e.pr}:{e.path.rsplit('/', 1)[1]}",
+)
+def test_what_ships_speaks_of_vllm_only(entry):
+    for where, text in _shipped(entry):
+        for i, line in enumerate(text.splitlines(), 1):
+            assert not FORBIDDEN.search(line), (
+                f"{entry.src}: {where}: line {i}: {line.strip()}"
+            )
+
+
+def test_every_file_and_page_the_manifest_names_exists():
+    for entry in MANIFEST.files:
+        assert (ROOT / entry.src).is_file(), entry.src
+    for pr in MANIFEST.prs:
+        assert (ROOT / pr.doc).is_file(), pr.doc
+    assert set(MANIFEST.releases) == {"0.34.0", "0.33.0"}
+    for entry in MANIFEST.files:
+        for version in entry.releases or MANIFEST.releases:
+            assert set(entry.changed) <= set(entry.sha256.get(version, {})), (
+                entry.path,
+                version,
+            )

@@ -1,0 +1,481 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Definitions in Python source, found, hashed and edited with libcst: the
+branch's edits of one upstream file, its imports kept as ruff's isort has them.
+
+Names are "f", "C" or "C.m" ("C.__doc__": a class's docstring); an anchor is
+source text matched by structure (comments and whitespace aside).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import io
+import re
+import sys
+import textwrap
+import tokenize
+from collections.abc import Sequence
+
+import libcst as cst
+
+try:
+    from tools.fork_manifest import BranchError, Edit
+except ImportError:  # run as a script from tools/
+    from fork_manifest import BranchError, Edit
+
+__all__ = [
+    "add_definition",
+    "add_imports",
+    "bindings",
+    "buildkite_dependencies",
+    "code",
+    "definition_source",
+    "drop_unused_imports",
+    "edit",
+    "env_entries",
+    "find",
+    "match",
+    "parse",
+    "reads",
+    "source_hash",
+]
+
+
+def parse(text: str, who: str) -> cst.Module:
+    try:
+        return cst.parse_module(text)
+    except cst.ParserSyntaxError as exc:
+        raise BranchError(f"{who}: does not parse: line {exc.raw_line}") from None
+
+
+def code(node: cst.CSTNode) -> str:
+    if hasattr(node, "leading_lines"):
+        node = node.with_changes(leading_lines=())
+    return cst.Module([]).code_for_node(node)
+
+
+def _body(node: cst.CSTNode) -> Sequence[cst.CSTNode]:
+    return node.body if isinstance(node, cst.Module) else node.body.body
+
+
+def _binds(stmt: cst.CSTNode, first: bool = False) -> str | None:
+    """The name a definition statement binds ("__doc__" for a docstring)."""
+    if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+        return stmt.name.value
+    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
+        s = stmt.body[0]
+        if isinstance(s, cst.Assign) and len(s.targets) == 1:
+            s = s.targets[0]
+        if isinstance(s, (cst.AssignTarget, cst.AnnAssign)):
+            return s.target.value if isinstance(s.target, cst.Name) else None
+        if first and isinstance(s, cst.Expr) and isinstance(s.value, cst.SimpleString):
+            return "__doc__"
+    return None
+
+
+def _names_of(body: Sequence[cst.CSTNode]) -> list[str | None]:
+    return [_binds(s, i == 0) for i, s in enumerate(body)]
+
+
+def find(module: cst.Module, qualname: str, who: str) -> cst.CSTNode:
+    node: cst.CSTNode = module
+    for part in qualname.split("."):
+        hits = [
+            s
+            for s, n in zip(_body(node), _names_of(_body(node)), strict=True)
+            if n == part
+        ]
+        if len(hits) != 1:
+            found = "defined twice" if hits else "not found"
+            raise BranchError(f"{who}: {qualname}: {found}")
+        node = hits[0]
+    return node
+
+
+def source_hash(module: cst.Module, qualname: str, who: str = "") -> str:
+    """sha256 of a definition's tokens: its source normalised only for
+    whitespace (line breaks inside brackets, spacing; indentation kept)."""
+    lines = io.StringIO(code(find(module, qualname, who))).readline
+    skip = {tokenize.NL, tokenize.ENDMARKER}
+    text = " ".join(
+        t.string if t.string.strip() else tokenize.tok_name[t.type]
+        for t in tokenize.generate_tokens(lines)
+        if t.type not in skip
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def definition_source(text: str, qualname: str, who: str = "") -> str:
+    """The source of one definition ("f", "C" or "C.m") of a module's text."""
+    return code(find(parse(text, who), qualname, who))
+
+
+def _shape(text: str, statement: bool) -> str:
+    if statement:
+        return ast.dump(ast.parse(textwrap.dedent(text)))
+    return ast.dump(ast.parse(f"(\n{text}\n)", mode="eval"))
+
+
+def match(
+    node: cst.CSTNode, text: str, who: str, statement: bool = False, of_if=False
+) -> cst.CSTNode:
+    """The one node under ``node`` with ``text``'s structure, comments and
+    whitespace aside (``of_if``: the ``if`` statement whose test it is)."""
+    try:
+        kind = type(
+            cst.parse_statement(text) if statement else cst.parse_expression(text)
+        )
+        want = _shape(text, statement)
+    except (cst.ParserSyntaxError, SyntaxError):
+        raise BranchError(f"{who}: {text!r} does not parse") from None
+    hits: list[cst.CSTNode] = []
+
+    class _Visit(cst.CSTVisitor):
+        def on_visit(self, n: cst.CSTNode) -> bool:
+            part = n.test if of_if and isinstance(n, cst.If) else None if of_if else n
+            if type(part) is kind and _shape(code(part), statement) == want:
+                hits.append(n)
+            return True
+
+    node.visit(_Visit())
+    if len(hits) != 1:
+        raise BranchError(f"{who}: {text!r} matches {len(hits)} places, not 1")
+    return hits[0]
+
+
+class _Reads(cst.CSTVisitor):
+    """The names code reads (not attribute names, keywords, parameters)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.names.add(node.value)
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Arg(self, node: cst.Arg) -> bool:
+        node.value.visit(self)
+        return False
+
+    def visit_Param(self, node: cst.Param) -> bool:
+        for n in (node.annotation, node.default):
+            n and n.visit(self)
+        return False
+
+    def visit_Import(self, node: cst.CSTNode) -> bool:
+        return False
+
+    visit_ImportFrom = visit_Import
+
+
+def reads(*nodes: cst.CSTNode) -> set[str]:
+    v = _Reads()
+    for n in nodes:
+        n.visit(v)
+    return v.names
+
+
+class _Swap(cst.CSTTransformer):
+    """Replace nodes by identity: {id(old node): new node or sentinel}."""
+
+    def __init__(self, swaps: dict) -> None:
+        super().__init__()
+        self.swaps = swaps
+
+    def on_leave(self, old, new):
+        return self.swaps.get(id(old), new)
+
+
+# -------------------------------------------------------------------- imports
+
+
+def _type_checking(module: cst.Module) -> cst.If | None:
+    tc = (s for s in module.body if isinstance(s, cst.If))
+    return next((s for s in tc if code(s.test) == "TYPE_CHECKING"), None)
+
+
+def _imports(module: cst.Module, type_checking: bool = True) -> list:
+    """Module-level import lines (with those under ``if TYPE_CHECKING:``)."""
+    tc = _type_checking(module)
+    lines = [*module.body, *(tc.body.body if tc and type_checking else ())]
+    return [
+        s
+        for s in lines
+        if isinstance(s, cst.SimpleStatementLine)
+        and isinstance(s.body[0], (cst.Import, cst.ImportFrom))
+    ]
+
+
+def _alias_names(alias: cst.ImportAlias) -> tuple[str, str]:
+    full = code(alias.name)
+    return full, code(alias.asname.name) if alias.asname else full.split(".")[0]
+
+
+def bindings(module: cst.Module) -> dict[str, tuple[str, ...]]:
+    """name -> ("import", module or "", name) or ("def",), module level."""
+    out: dict[str, tuple[str, ...]] = {}
+    for s in _imports(module):
+        imp = s.body[0]
+        mod = code(imp.module) if isinstance(imp, cst.ImportFrom) else ""
+        for a in () if isinstance(imp.names, cst.ImportStar) else imp.names:
+            full, bound = _alias_names(a)
+            out[bound] = ("import", mod, full if mod or a.asname else bound)
+    for n in _names_of(module.body):
+        out.setdefault(n, ("def",))
+    return out
+
+
+def _natural(text: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text.lower())]
+
+
+def _import_line(mod: str, names: list[tuple[str, str]]) -> cst.SimpleStatementLine:
+    """``import``/``from mod import`` of (name, bound) pairs, formatted as ruff."""
+
+    def text(full: str, bound: str) -> str:
+        plain = full if mod else full.split(".")[0]
+        return full if bound == plain else f"{full} as {bound}"
+
+    def rank(pair: tuple[str, str]) -> tuple:
+        n = pair[0]
+        return 0 if n.isupper() and len(n) > 1 else 1 if n[
+            0
+        ].isupper() else 2, _natural(n)
+
+    parts = [text(*p) for p in sorted(set(names), key=rank)]
+    line = f"from {mod} import {', '.join(parts)}" if mod else f"import {parts[0]}"
+    if len(line) > 88:
+        line = f"from {mod} import (\n" + "".join(f"    {p},\n" for p in parts) + ")"
+    return cst.parse_statement(line + "\n")
+
+
+def _sort_key(s: cst.SimpleStatementLine, package: str) -> tuple:
+    imp = s.body[0]
+    mod = code(imp.module if isinstance(imp, cst.ImportFrom) else imp.names[0].name)
+    top = mod.split(".")[0]
+    section = [top == "__future__", top in sys.stdlib_module_names, True]
+    section = section.index(True) + (top in (package, "tests"))
+    return section, isinstance(imp, cst.ImportFrom), _natural(mod)
+
+
+def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
+    """Add the bindings ``wanted`` (bound name -> binding) as ruff's isort
+    places them: into upstream's import of the same module, else sorted into
+    its section."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for bound, (_, mod, full) in sorted(wanted.items()):
+        groups.setdefault(mod, []).append((full, bound))
+    for mod, names in groups.items():
+        for pairs in [names] if mod else [[p] for p in names]:
+            lines = _imports(module, type_checking=False)
+            same = [
+                s
+                for s in lines
+                if mod
+                and isinstance(s.body[0], cst.ImportFrom)
+                and not isinstance(s.body[0].names, cst.ImportStar)
+                and code(s.body[0].module) == mod
+            ]
+            if same:
+                have = [_alias_names(a) for a in same[0].body[0].names]
+                new = _import_line(mod, have + pairs)
+                swap = new.with_changes(leading_lines=same[0].leading_lines)
+                module = module.deep_replace(same[0], swap)
+                continue
+            new = _import_line(mod, pairs)
+            key = _sort_key(new, package)
+            earlier = [s for s in lines if _sort_key(s, package) < key]
+            later = [s for s in lines if _sort_key(s, package) > key]
+            blank = [cst.EmptyLine(indent=False)]
+            if (
+                earlier
+                and _sort_key(earlier[-1], package)[0] == key[0]
+                or earlier
+                and not later
+            ):
+                if _sort_key(earlier[-1], package)[0] != key[0]:
+                    new = new.with_changes(leading_lines=blank)
+                anchor, seq = earlier[-1], [earlier[-1], new]
+            elif later:
+                new = new.with_changes(leading_lines=later[0].leading_lines)
+                same = _sort_key(later[0], package)[0] == key[0]
+                anchor = later[0]
+                seq = [new, anchor.with_changes(leading_lines=() if same else blank)]
+            else:
+                module = module.with_changes(body=[new, *module.body])
+                continue
+            module = module.deep_replace(anchor, cst.FlattenSentinel(seq))
+    return module
+
+
+def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
+    """Remove the imported names upstream's file read and the edited one no
+    longer does (``__all__``'s strings count as reads)."""
+
+    def used(m: cst.Module) -> set[str]:
+        names = reads(m)
+        for s in (s for s in m.body if _binds(s) == "__all__"):
+            names |= set(re.findall(r"[\"'](\w+)[\"']", code(s)))
+        return names
+
+    gone, swaps = used(before) - used(after), {}
+    for s in _imports(after):
+        imp = s.body[0]
+        if isinstance(imp.names, cst.ImportStar) or code(imp).startswith("from __"):
+            continue
+        keep = [a for a in imp.names if _alias_names(a)[1] not in gone]
+        if not keep:
+            swaps[id(s)] = cst.RemovalSentinel.REMOVE
+        elif len(keep) < len(imp.names):
+            keep[-1] = keep[-1].with_changes(comma=imp.names[-1].comma)
+            swaps[id(imp)] = imp.with_changes(names=keep)
+    return after.visit(_Swap(swaps))
+
+
+# ---------------------------------------------------------------------- edits
+
+
+def add_definition(
+    up: cst.Module, br: cst.Module, qualname: str, who: str
+) -> cst.Module:
+    """Add the branch's definition where its file has it: before the next
+    statement upstream has too (else after the previous one, else last)."""
+    parent, _, name = qualname.rpartition(".")
+    u_parent = find(up, parent, who) if parent else up
+    b_parent = find(br, parent, who) if parent else br
+    node = find(br, qualname, who)
+    u_body, b_names = list(_body(u_parent)), _names_of(_body(b_parent))
+    u_names = _names_of(u_body)
+    if name in u_names:
+        raise BranchError(f"{who}: {qualname}: upstream defines it: replace it")
+    i = [s is node for s in _body(b_parent)].index(True)
+    later = [u_names.index(n) for n in b_names[i + 1 :] if n in u_names]
+    earlier = [u_names.index(n) + 1 for n in b_names[:i] if n in u_names]
+    u_body.insert((later or [earlier[-1] if earlier else len(u_body)])[0], node)
+    if not parent:
+        return up.with_changes(body=u_body)
+    body = u_parent.body.with_changes(body=u_body)
+    return up.deep_replace(u_parent, u_parent.with_changes(body=body))
+
+
+def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
+    """``up`` with the edit made, and the names its new code reads."""
+    who = f"{who}: {e.inside}"
+    target = find(up, e.inside, who)
+    if e.kind.startswith("insert"):
+        anchor = match(target, e.anchor, who, statement=True)
+        if e.take:
+            new = [
+                match(
+                    find(br, e.inside, f"the branch's {who}"), e.take, who, of_if=True
+                )
+            ]
+        else:
+            block = parse(textwrap.dedent(e.code), who)
+            first = block.body[0]
+            new = [
+                first.with_changes(leading_lines=[*block.header, *first.leading_lines])
+            ]
+            new += block.body[1:]
+        seq = [*new, anchor] if e.kind == "insert_before" else [anchor, *new]
+        return up.deep_replace(anchor, cst.FlattenSentinel(seq)), reads(*new)
+    if e.kind == "replace":
+        anchor = match(target, e.anchor, who)
+        new = cst.parse_expression(e.code).with_changes(
+            lpar=anchor.lpar, rpar=anchor.rpar
+        )
+        return up.deep_replace(anchor, new), reads(new)
+    within = match(target, e.within, who)
+    els, want = list(getattr(within, "elements", ())), _shape(e.anchor, False)
+    idx = [i for i, el in enumerate(els) if _shape(code(el.value), False) == want]
+    if not isinstance(within, (cst.List, cst.Tuple, cst.Set)) or len(idx) != 1:
+        raise BranchError(f"{who}: {e.anchor!r} is not once an element of {e.within!r}")
+    gone = els.pop(idx[0])
+    if idx[0] == len(els) and els:  # it was last: the new last takes its comma
+        els[-1] = els[-1].with_changes(comma=gone.comma)
+    return up.deep_replace(within, within.with_changes(elements=els)), set()
+
+
+def _env_parts(text: str, who: str) -> tuple:
+    """(the ``environment_variables`` dict, its entries by name, the
+    ``if TYPE_CHECKING:`` block, its annotations by name), by ast."""
+    body = ast.parse(text).body
+    assigns = [s for s in body if isinstance(s, (ast.Assign, ast.AnnAssign))]
+    targets = [(getattr(s, "target", None) or s.targets[0], s.value) for s in assigns]
+    named = [v for t, v in targets if getattr(t, "id", "") == "environment_variables"]
+    d = named[0] if named else None
+    tc = next(
+        (
+            s
+            for s in body
+            if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
+        ),
+        None,
+    )
+    if not isinstance(d, ast.Dict) or tc is None:
+        raise BranchError(
+            f"{who}: no environment_variables dict or TYPE_CHECKING block"
+        )
+    entries = {
+        k.value: (k, v)
+        for k, v in zip(d.keys, d.values, strict=True)
+        if isinstance(k, ast.Constant)
+    }
+    anns = {ast.unparse(s.target): s for s in tc.body if isinstance(s, ast.AnnAssign)}
+    return d, entries, tc, anns
+
+
+def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
+    """Add the branch's ``environment_variables`` entries ``names`` (with the
+    comment lines above each) and their ``if TYPE_CHECKING:`` annotations."""
+    (ud, ukeys, utc, _), (_, bkeys, _, banns) = (
+        _env_parts(text, who),
+        _env_parts(branch, who),
+    )
+    ul, bl = text.splitlines(keepends=True), branch.splitlines(keepends=True)
+    entries, anns = [], []
+    for n in names:
+        if n in ukeys or n not in bkeys or n not in banns:
+            where = "upstream has" if n in ukeys else "the branch's file lacks"
+            raise BranchError(f"{who}: {where} {n} or its annotation")
+        key, value = bkeys[n]
+        first = key.lineno
+        while bl[first - 2].lstrip().startswith("#"):
+            first -= 1
+        entries += bl[first - 1 : value.end_lineno]
+        anns += bl[banns[n].lineno - 1 : banns[n].end_lineno]
+    last = ud.values[-1]
+    if not ul[last.end_lineno - 1][last.end_col_offset :].lstrip().startswith(","):
+        raise BranchError(f"{who}: upstream's last environment variable has no comma")
+    ul[ud.end_lineno - 1 : ud.end_lineno - 1] = entries
+    ul[utc.end_lineno : utc.end_lineno] = anns
+    return "".join(ul)
+
+
+def buildkite_dependencies(text: str, step: str, paths: Sequence[str], who: str) -> str:
+    """Add ``paths`` not covered yet to the ``source_file_dependencies`` of
+    the step with key ``step`` (one ``- path`` line each, format kept)."""
+    lines = text.splitlines(keepends=True)
+    keys = [i for i, s in enumerate(lines) if s.strip() == f"key: {step}"]
+    if len(keys) != 1:
+        raise BranchError(f"{who}: step {step} found {len(keys)} times, not once")
+    indent = lines[keys[0]][: -len(lines[keys[0]].lstrip())]
+    i = keys[0] + 1
+    while i < len(lines) and lines[i].startswith(indent):
+        if lines[i] == f"{indent}source_file_dependencies:\n":
+            break
+        i += 1
+    else:
+        raise BranchError(f"{who}: step {step} has no source_file_dependencies")
+    deps, i = [], i + 1
+    while i < len(lines) and lines[i].startswith(f"{indent}- "):
+        deps.append(lines[i].strip()[2:].strip().rstrip("/"))
+        i += 1
+    new = [p for p in paths if not any(p == d or p.startswith(d + "/") for d in deps)]
+    lines[i:i] = [f"{indent}- {p}\n" for p in new]
+    return "".join(lines)
