@@ -85,10 +85,9 @@ def _direct_problem(layer: torch.nn.Module, experts: Any | None) -> str | None:
             "mode 'fold'), which a loader writing part of the layer would mix "
             "with the checkpoint's; reload with VLLM_RELOAD_MODE=layerwise"
         )
-    if state.status is PrepStatus.PREPARED:
-        changed = changed_parameters(state, layer)
-    else:  # an interrupted preparation or restore
-        changed = dict.fromkeys(state.loader_writes, "written")
+    # Prepared: anything moved since; an interrupted preparation or restore:
+    # the writes its record saw.
+    changed = changed_parameters(state, layer)
     if changed:
         what = ", ".join(f"{n} {how}" for n, how in sorted(changed.items()))
         return (
