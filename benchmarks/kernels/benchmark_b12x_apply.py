@@ -156,9 +156,10 @@ def measure(
     """Time ``apply`` of the running vllm's experts for each case (see the
     module doc); JSON-able rows."""
     import torch
+    from upstream_reports import moe_inputs
 
     from cpu_stand_ins import b12x_preparation_on_cpu
-    from upstream_layers import MOE_SHAPES, moe_inputs, one_rank_vllm, prepare_layer
+    from upstream_layers import MOE_SHAPES, one_rank_vllm, prepare_layer
 
     torch.set_num_threads(1)
     rows = []

@@ -177,7 +177,8 @@ def unmodified_upstream() -> Callable[..., Any]:
 # global scales equal and differing (UP_GATE_RATIO), with the function the
 # prepared bytes encode.
 _SMALL_PREP = """\
-from upstream_layers import UP_GATE_RATIO, prep_reports_on_cpu
+from upstream_layers import UP_GATE_RATIO
+from upstream_reports import prep_reports_on_cpu
 cases = [("small", "modelopt"), ("small", "compressed-tensors")]
 result = {
     "equal": prep_reports_on_cpu(cases, function=True),
@@ -189,7 +190,7 @@ result = {
 
 # The unmodified release at the Qwen3.6-35B-A3B layer, both formats, measured.
 _QWEN36_PREP = """\
-from upstream_layers import prep_reports_on_cpu
+from upstream_reports import prep_reports_on_cpu
 result = prep_reports_on_cpu(
     [("qwen3.6-35b-a3b", "modelopt"), ("qwen3.6-35b-a3b", "compressed-tensors")],
     measure=True,

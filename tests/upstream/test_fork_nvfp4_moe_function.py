@@ -25,6 +25,7 @@ unmodified 0.33.0's when gate and up share a scale).
 
 import pytest
 import torch
+from upstream_reports import function_errors, prepared_function_errors
 
 from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
@@ -32,9 +33,7 @@ from upstream_layers import (
     REL_RMS_TOLERANCE,
     SMALL,
     UP_GATE_RATIO,
-    function_errors,
     prepare_layer,
-    prepared_function_errors,
 )
 
 SCALES = {"equal": None, "differing": UP_GATE_RATIO}

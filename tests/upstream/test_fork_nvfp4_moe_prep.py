@@ -21,6 +21,11 @@ import inspect
 
 import pytest
 import torch
+from upstream_reports import (
+    checkpoint_global_scales,
+    prepare_and_report,
+    prepared_b12x_report,
+)
 
 from upstream_env import (
     UPSTREAM_VERSION,
@@ -32,11 +37,8 @@ from upstream_layers import (
     CHECKPOINT_FORMATS,
     QWEN36_35B_A3B,
     SMALL,
-    checkpoint_global_scales,
     one_rank_vllm,
-    prepare_and_report,
     prepare_layer,
-    prepared_b12x_report,
 )
 
 MIB = 1 << 20

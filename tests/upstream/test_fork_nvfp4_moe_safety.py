@@ -25,18 +25,20 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 from upstream_reload import load_through_weight_loader
+from upstream_reports import (
+    emulated_apply,
+    function_errors,
+    moe_inputs,
+    prepared_b12x_report,
+)
 
 from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
     REL_RMS_TOLERANCE,
     SMALL,
-    emulated_apply,
-    function_errors,
     load_synthetic_experts,
     make_nvfp4_moe_layer,
-    moe_inputs,
     prepare_layer,
-    prepared_b12x_report,
     synthetic_nvfp4_experts,
 )
 

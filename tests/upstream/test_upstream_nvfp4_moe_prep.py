@@ -15,6 +15,7 @@ rounding, every alpha 1) and the preparation's peak transient CPU memory,
 the control later tests compare the fork against."""
 
 import pytest
+from upstream_reports import prepare_and_report
 
 from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
@@ -22,7 +23,6 @@ from upstream_layers import (
     E4M3_RELATIVE_ROUNDING,
     QWEN36_35B_A3B,
     SMALL,
-    prepare_and_report,
 )
 
 MIB = 1 << 20
