@@ -14,10 +14,16 @@ import pytest
 
 from upstream_env import UPSTREAM_VERSION, unmodified_tree, unmodified_tree_problem
 
-try:  # tests/upstream's pytest.ini puts tools/ on sys.path
-    import fork_interfaces as fi
-except ImportError:  # the slice's own suite (collected, skipped): the root
-    from tools import fork_interfaces as fi
+
+def _fork_interfaces():
+    # Imported when a test runs (it needs griffe): the slice's own suite
+    # collects this file without it.
+    try:  # tests/upstream's pytest.ini puts tools/ on sys.path
+        import fork_interfaces
+    except ImportError:
+        from tools import fork_interfaces
+    return fork_interfaces
+
 
 _ORACLE = "vllm/model_executor/layers/fused_moe/oracle/nvfp4.py"
 _EXPERTS = "vllm/model_executor/layers/fused_moe/experts/flashinfer_b12x_moe.py"
@@ -30,6 +36,7 @@ def trees() -> tuple[Path, Path, list[str]]:
     import vllm
 
     fork = Path(vllm.__file__).resolve().parents[1]  # site-packages
+    fi = _fork_interfaces()
     paths = [p for p in fi.changed_paths(UPSTREAM_VERSION) if p.endswith(".py")]
     return unmodified_tree().resolve(), fork, paths
 
@@ -37,7 +44,7 @@ def trees() -> tuple[Path, Path, list[str]]:
 def test_changed_modules_keep_the_releases_signatures(trees, upstream_measurements):
     upstream, fork, paths = trees
     assert _ORACLE in paths and _EXPERTS in paths  # not a vacuous comparison
-    found = fi.differences(upstream, fork, paths)
+    found = _fork_interfaces().differences(upstream, fork, paths)
     upstream_measurements(
         f"interfaces, vLLM {UPSTREAM_VERSION}",
         f"{len(paths)} changed modules, {len(found)} differences",
@@ -47,7 +54,7 @@ def test_changed_modules_keep_the_releases_signatures(trees, upstream_measuremen
 
 def test_upstream_importers_find_their_names_in_the_fork(trees):
     upstream, fork, paths = trees
-    assert fi.importer_differences(upstream, fork, paths) == []
+    assert _fork_interfaces().importer_differences(upstream, fork, paths) == []
 
 
 def test_the_comparison_sees_a_dropped_parameter(trees, tmp_path):
@@ -64,7 +71,7 @@ def test_the_comparison_sees_a_dropped_parameter(trees, tmp_path):
     )
     assert planted != text
     changed.write_text(planted)
-    found = fi.differences(upstream, tmp_path, [_ORACLE])
+    found = _fork_interfaces().differences(upstream, tmp_path, [_ORACLE])
     assert any("make_nvfp4_moe_quant_config" in d and "use_a16" in d for d in found), (
         found
     )
