@@ -65,28 +65,27 @@ def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     problem = _environment_problem()
-    if problem is None:
-        return
-    if environment_active():
-        # Inside the upstream environment a missing piece is a failure.
-        mark = pytest.mark.usefixtures("_upstream_environment_broken")
-    else:
-        mark = pytest.mark.skip(
-            reason=f"needs the vLLM {UPSTREAM_VERSION} fork installed: {problem}; "
-            f"run {UPSTREAM_COMMAND}"
-        )
+    if problem is None or environment_active():
+        return  # inside the upstream environment: pytest_runtest_setup fails
+    skip = pytest.mark.skip(
+        reason=f"needs the vLLM {UPSTREAM_VERSION} fork installed: {problem}; "
+        f"run {UPSTREAM_COMMAND}"
+    )
     for item in items:
         if item.path.is_relative_to(_HERE):
-            item.add_marker(mark)
+            item.add_marker(skip)
 
 
-@pytest.fixture
-def _upstream_environment_broken() -> None:
-    pytest.fail(
-        f"the upstream environment is active but cannot run vLLM "
-        f"{UPSTREAM_VERSION}'s tests: {_environment_problem()}",
-        pytrace=False,
-    )
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Inside the upstream environment a missing piece is a failure.
+    if not item.path.is_relative_to(_HERE) or not environment_active():
+        return
+    if problem := _environment_problem():
+        pytest.fail(
+            f"the upstream environment is active but cannot run vLLM "
+            f"{UPSTREAM_VERSION}'s tests: {problem}",
+            pytrace=False,
+        )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
