@@ -73,11 +73,13 @@ def test_upstream_command_installs_files_that_exist_and_runs_tests_upstream_alon
     for requirements in re.findall(r"-r (\S+)", command):
         assert (ROOT / requirements).is_file(), requirements
     # Run from its own directory (its pytest.ini), not from the root, whose
-    # pythonpath would put this tree's vllm/ ahead of the installed wheel.
-    assert command.endswith("(cd tests/upstream && python -m pytest)")
+    # pythonpath would put this tree's vllm/ ahead of the installed wheel;
+    # once per release, each fork wheel installed in turn.
+    assert "for v in 0.34.0 0.33.0;" in command
+    assert "(cd tests/upstream && VLLM_UPSTREAM_RELEASE=$v python -m pytest)" in command
     assert (ROOT / "tests/upstream/pytest.ini").is_file()
     # The skip reason of tests/upstream points at this section.
-    title = "## Tests inside vLLM 0.33.0 (CPU)"
+    title = "## Tests inside vLLM 0.34.0 and 0.33.0 (CPU)"
     assert f"\n{title}\n" in text
     assert title in (ROOT / "tests/upstream/upstream_env.py").read_text()
     upstream_reqs = (ROOT / "requirements/upstream-cpu.txt").read_text()

@@ -1,23 +1,27 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""tests/upstream: tests that run inside vLLM 0.33.0 itself, installed from a
-wheel, on CPU.
+"""tests/upstream: tests that run inside vLLM 0.34.0 or 0.33.0 itself,
+installed from a fork wheel, on CPU.
 
 Run them from this directory, in the environment README.md's '## Tests
-inside vLLM 0.33.0 (CPU)' builds: ``(cd tests/upstream && python -m pytest)``.
-This directory's pytest.ini (importlib import mode, only this directory on
-``sys.path``) keeps the repository root, and with it this tree's own
-``vllm/`` slice, off ``sys.path``, so ``import vllm`` loads the installed
-one. Anywhere else (the slice's own venv, or ``pytest tests`` from the root,
-whose ``pythonpath = ["."]`` puts the slice first) every test here is
-collected and skipped with the reason; nothing from vllm or flashinfer is
-imported then.
+inside vLLM 0.34.0 and 0.33.0 (CPU)' builds: ``VLLM_UPSTREAM_RELEASE=<release>
+python -m pytest`` with that release's fork installed. This directory's
+pytest.ini (importlib import mode, only this directory on ``sys.path``)
+keeps the repository root, and with it this tree's own ``vllm/`` slice, off
+``sys.path``, so ``import vllm`` loads the installed one. Where the upstream
+environment is not active (upstream_env.environment_active: the slice's own
+venv, or ``pytest tests`` from the root, whose ``pythonpath = ["."]`` puts
+the slice first) every test here is collected and skipped with the reason;
+nothing from vllm or flashinfer is imported then. Where it is active, a
+missing piece (the installed vllm is not the fork of the expected release,
+the unmodified release tree is absent) fails every test. The header of the
+run names the release it ran against.
 
 Fixtures: the CPU stand-ins (cpu_stand_ins.py) each undone after the test,
-a one-rank vLLM context, the runner of snippets against unmodified 0.33.0,
-unmodified 0.33.0's preparation reports (one subprocess per session for
-the small shape, one for the Qwen3.6 layer), and ``upstream_measurements``,
-printed at the end of the run.
+a one-rank vLLM context, the runner of snippets against the unmodified
+release, its preparation reports (one subprocess per session for the small
+shape, one for the Qwen3.6 layer), and ``upstream_measurements``, printed
+at the end of the run.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ import pytest
 import cpu_stand_ins
 from upstream_env import (
     UPSTREAM_COMMAND,
+    UPSTREAM_VERSION,
+    environment_active,
     installed_vllm_problem,
+    installed_vllm_version,
     run_unmodified_json,
+    unmodified_tree,
     unmodified_tree_problem,
 )
 
@@ -40,21 +48,52 @@ _HERE = Path(__file__).resolve().parent
 _MEASUREMENTS: list[tuple[str, str]] = []
 
 
+def _environment_problem() -> str | None:
+    return installed_vllm_problem() or unmodified_tree_problem()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    active = "active" if environment_active() else "not active"
+    return [
+        f"upstream release expected: vLLM {UPSTREAM_VERSION} (environment {active})",
+        f"installed vllm: {installed_vllm_version()}; unmodified tree: "
+        f"{unmodified_tree()}",
+    ]
+
+
 def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    problem = installed_vllm_problem()
-    if problem is None:
-        return
+    problem = _environment_problem()
+    if problem is None or environment_active():
+        return  # inside the upstream environment: pytest_runtest_setup fails
     skip = pytest.mark.skip(
-        reason=f"needs an installed vLLM 0.33.0: {problem}; run {UPSTREAM_COMMAND}"
+        reason=f"needs the vLLM {UPSTREAM_VERSION} fork installed: {problem}; "
+        f"run {UPSTREAM_COMMAND}"
     )
     for item in items:
         if item.path.is_relative_to(_HERE):
             item.add_marker(skip)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Inside the upstream environment a missing piece is a failure.
+    if not item.path.is_relative_to(_HERE) or not environment_active():
+        return
+    if problem := _environment_problem():
+        pytest.fail(
+            f"the upstream environment is active but cannot run vLLM "
+            f"{UPSTREAM_VERSION}'s tests: {problem}",
+            pytrace=False,
+        )
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    terminalreporter.section("upstream release")
+    terminalreporter.write_line(
+        f"ran against vLLM {UPSTREAM_VERSION}: installed {installed_vllm_version()}, "
+        f"unmodified tree {unmodified_tree()}"
+    )
     if _MEASUREMENTS:
         terminalreporter.section("upstream measurements")
         for key, value in _MEASUREMENTS:
@@ -126,18 +165,19 @@ def one_rank_b12x_vllm(b12x_prep_on_cpu: None) -> Iterator[Any]:
 @pytest.fixture
 def unmodified_upstream() -> Callable[..., Any]:
     """``run(snippet, **kwargs)``: the snippet's global ``result`` after it
-    ran against unmodified vLLM 0.33.0 in a subprocess
+    ran against the unmodified release in a subprocess
     (upstream_env.run_unmodified_json); skips when that tree is absent."""
     if problem := unmodified_tree_problem():
         pytest.skip(problem)
     return run_unmodified_json
 
 
-# Unmodified 0.33.0's preparation of the small layer, both formats: gate/up
+# The unmodified release's preparation of the small layer, both formats: gate/up
 # global scales equal and differing (UP_GATE_RATIO), with the function the
 # prepared bytes encode.
 _SMALL_PREP = """\
-from upstream_layers import UP_GATE_RATIO, prep_reports_on_cpu
+from upstream_layers import UP_GATE_RATIO
+from upstream_reports import prep_reports_on_cpu
 cases = [("small", "modelopt"), ("small", "compressed-tensors")]
 result = {
     "equal": prep_reports_on_cpu(cases, function=True),
@@ -147,9 +187,9 @@ result = {
 }
 """
 
-# Unmodified 0.33.0 at the Qwen3.6-35B-A3B layer, both formats, measured.
+# The unmodified release at the Qwen3.6-35B-A3B layer, both formats, measured.
 _QWEN36_PREP = """\
-from upstream_layers import prep_reports_on_cpu
+from upstream_reports import prep_reports_on_cpu
 result = prep_reports_on_cpu(
     [("qwen3.6-35b-a3b", "modelopt"), ("qwen3.6-35b-a3b", "compressed-tensors")],
     measure=True,
@@ -163,7 +203,7 @@ def _by_format(reports: list[dict]) -> dict[str, dict]:
 
 @pytest.fixture(scope="session")
 def unmodified_small_reports() -> dict[str, dict[str, dict]]:
-    """Unmodified 0.33.0's reports (upstream_layers.prepare_and_report with
+    """The unmodified release's reports (upstream_layers.prepare_and_report with
     ``function=True``) for the small layer: ``[scales][format]``, scales
     "equal" (gate and up share a global scale) or "differing"
     (``UP_GATE_RATIO``). One subprocess for the session; skips without the
@@ -176,7 +216,7 @@ def unmodified_small_reports() -> dict[str, dict[str, dict]]:
 
 @pytest.fixture(scope="session")
 def unmodified_qwen36_reports() -> dict[str, dict]:
-    """Unmodified 0.33.0's measured reports for the Qwen3.6-35B-A3B layer,
+    """The unmodified release's measured reports for the Qwen3.6-35B-A3B layer,
     by checkpoint format (peak transient, digests of the prepared bytes).
     One subprocess for the session; skips without the unmodified tree."""
     if problem := unmodified_tree_problem():

@@ -20,8 +20,9 @@ import types
 
 import pytest
 import torch
+from upstream_reports import moe_inputs
 
-from upstream_layers import MoEShape, moe_inputs, prepare_layer
+from upstream_layers import MoEShape, prepare_layer
 
 #: I = 256: whole 128-row tiles, FlashInfer pads nothing.
 HOST = MoEShape("host", 8, 256, 256, 2)

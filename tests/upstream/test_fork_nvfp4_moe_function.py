@@ -25,15 +25,15 @@ unmodified 0.33.0's when gate and up share a scale).
 
 import pytest
 import torch
+from upstream_reports import function_errors, prepared_function_errors
 
+from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
     CHECKPOINT_FORMATS,
     REL_RMS_TOLERANCE,
     SMALL,
     UP_GATE_RATIO,
-    function_errors,
     prepare_layer,
-    prepared_function_errors,
 )
 
 SCALES = {"equal": None, "differing": UP_GATE_RATIO}
@@ -72,7 +72,7 @@ def test_prepared_layer_computes_the_checkpoints_function(
     upstream_measurements(
         f"function rel RMS vs BF16 reference, {method}, {SMALL.id}, gate/up "
         f"global scales {scales}: fork alpha / fork fold (emulated) / "
-        "unmodified 0.33.0 (its prepared bytes)",
+        f"unmodified {UPSTREAM_VERSION} (its prepared bytes)",
         f"{alpha['rel_rms']:.4f} / {fold['rel_rms']:.4f} / {unmodified['rel_rms']:.4f}",
     )
     assert alpha["rel_rms"] <= REL_RMS_TOLERANCE

@@ -21,17 +21,24 @@ import inspect
 
 import pytest
 import torch
+from upstream_reports import (
+    checkpoint_global_scales,
+    prepare_and_report,
+    prepared_b12x_report,
+)
 
-from upstream_env import load_slice_module, unmodified_tree, unmodified_tree_problem
+from upstream_env import (
+    UPSTREAM_VERSION,
+    load_slice_module,
+    unmodified_tree,
+    unmodified_tree_problem,
+)
 from upstream_layers import (
     CHECKPOINT_FORMATS,
     QWEN36_35B_A3B,
     SMALL,
-    checkpoint_global_scales,
     one_rank_vllm,
-    prepare_and_report,
     prepare_layer,
-    prepared_b12x_report,
 )
 
 MIB = 1 << 20
@@ -164,7 +171,7 @@ def test_qwen36_layer_fork_peak_and_bytes(
     monkeypatch.delenv(FOLD_ENV)
 
     for who, report in (
-        ("unmodified 0.33.0", unmodified),
+        (f"unmodified {UPSTREAM_VERSION}", unmodified),
         ("fork (alpha mode)", measured),
         ("fork (fold mode)", fold),
     ):

@@ -11,6 +11,7 @@ of docs/pr/'s first two pull requests."""
 import pytest
 
 from prep_steps import prep_step_reports
+from upstream_env import UPSTREAM_VERSION
 from upstream_layers import QWEN36_35B_A3B
 
 MIB = 1 << 20
@@ -41,7 +42,7 @@ def test_qwen36_preparation_steps_bytes_and_peaks(
         theirs = unmodified[step]
         upstream_measurements(
             f"{step}, {shape.name} layer ({shape.id}), peak transient and time: "
-            "fork / unmodified 0.33.0",
+            f"fork / unmodified {UPSTREAM_VERSION}",
             f"{ours['peak_bytes'] / MIB:.2f} / {theirs['peak_bytes'] / MIB:.2f} MiB, "
             f"{ours['seconds']:.3f} / {theirs['seconds']:.3f} s, "
             + ("same bytes" if ours["digest"] == theirs["digest"] else "BYTES DIFFER"),

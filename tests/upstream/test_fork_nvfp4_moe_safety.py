@@ -24,18 +24,21 @@ silently wrong layer.
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from upstream_reload import load_through_weight_loader
+from upstream_reports import (
+    emulated_apply,
+    function_errors,
+    moe_inputs,
+    prepared_b12x_report,
+)
 
+from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
     REL_RMS_TOLERANCE,
     SMALL,
-    checkpoint_params,
-    emulated_apply,
-    function_errors,
     load_synthetic_experts,
     make_nvfp4_moe_layer,
-    moe_inputs,
     prepare_layer,
-    prepared_b12x_report,
     synthetic_nvfp4_experts,
 )
 
@@ -89,27 +92,6 @@ def _apply_real(layer):
     return out
 
 
-def load_through_weight_loader(layer, experts, checkpoint_format: str) -> None:
-    """Every shard of ``experts`` through each parameter's ``weight_loader``
-    (upstream's ``RoutedExperts.weight_loader``, shard ids w1 / w3 / w2, one
-    expert at a time, scalars per shard), as vLLM's model loader calls it."""
-    params = dict(layer.named_parameters())
-    i = experts.w13.shape[1] // 2
-    prefix = "model.layers.0.mlp.experts"
-    for name, value in checkpoint_params(experts, checkpoint_format).items():
-        param = params[name]
-        for e in range(value.shape[0]):
-            if name.startswith("w13_"):
-                for half, shard in enumerate(("w1", "w3")):
-                    if value.dim() == 2:
-                        part = value[e, half]
-                    else:
-                        part = value[e, half * i : (half + 1) * i]
-                    param.weight_loader(param, part, f"{prefix}.{name}", shard, e)
-            else:
-                param.weight_loader(param, value[e], f"{prefix}.{name}", "w2", e)
-
-
 def test_modelopt_prepared_twice_changes_nothing(one_rank_b12x_vllm):
     layer, experts, _ = prepare_layer(SMALL, "modelopt")
     before = prepared_b12x_report(layer, experts)
@@ -123,15 +105,23 @@ def test_modelopt_prepared_twice_changes_nothing(one_rank_b12x_vllm):
     assert errors["rel_rms_gate_up_swapped"] > 10 * REL_RMS_TOLERANCE
 
 
-def test_compressed_tensors_method_cannot_run_twice(one_rank_b12x_vllm):
-    # Upstream's own method renames w13_weight_packed -> w13_weight (and
-    # deletes the former): a second call fails at once, before any write.
+def test_compressed_tensors_method_run_twice(one_rank_b12x_vllm):
+    # 0.33.0's method renames w13_weight_packed -> w13_weight (and deletes the
+    # former): a second call fails at once, before any write. 0.34.0's
+    # registers the one parameter under both names (move_parameter): a second
+    # call runs, and must change nothing.
     layer, experts, _ = prepare_layer(SMALL, "compressed-tensors")
     before = prepared_b12x_report(layer, experts, "compressed-tensors")
-    with pytest.raises(AttributeError, match="w13_weight_packed"):
+    if UPSTREAM_VERSION == "0.33.0":
+        with pytest.raises(AttributeError, match="w13_weight_packed"):
+            layer.quant_method.process_weights_after_loading(layer)
+    else:
+        assert layer.w13_weight_packed is layer.w13_weight
         layer.quant_method.process_weights_after_loading(layer)
     after = prepared_b12x_report(layer, experts, "compressed-tensors")
     assert after["digests"] == before["digests"]
+    for key in ("w1_alpha", "w2_alpha", "g1_alphas", "g2_alphas", "parameters"):
+        assert after[key] == before[key], key
     assert function_errors(layer, experts, SMALL)["rel_rms"] <= REL_RMS_TOLERANCE
 
 
@@ -181,10 +171,10 @@ def test_interrupted_preparation_resumes_to_the_same_bytes(
             _apply_real(layer)
         with pytest.raises(RuntimeError, match="not prepared|before process_weights"):
             emulated_apply(layer, *moe_inputs(SMALL, 8, 0), bind=False)
-        if checkpoint_format == "modelopt":
+        if checkpoint_format == "modelopt" or UPSTREAM_VERSION != "0.33.0":
             layer.quant_method.process_weights_after_loading(layer)
         else:
-            # Upstream's method renamed w13_weight_packed before the experts
+            # 0.33.0's method renamed w13_weight_packed before the experts
             # ran: its second call fails at once; the experts' resumes.
             with pytest.raises(AttributeError, match="w13_weight_packed"):
                 layer.quant_method.process_weights_after_loading(layer)

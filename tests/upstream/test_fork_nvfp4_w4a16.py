@@ -18,6 +18,7 @@ gate/up swapped as the control. At the Qwen3.6 layer (slow): the peak.
 
 import pytest
 import torch
+from upstream_reports import checkpoint_global_scales, function_errors
 
 from upstream_layers import (
     QWEN36_35B_A3B,
@@ -26,8 +27,6 @@ from upstream_layers import (
     UP_GATE_RATIO,
     W4A16_CONFIGS,
     checkpoint_format_of,
-    checkpoint_global_scales,
-    function_errors,
     prepare_layer,
 )
 

@@ -58,7 +58,7 @@ def test_model_executor_imports_everything_unmodified_0_33_0_imports(
     for side in (unmodified, installed):
         assert all(error is None for error in side["first"].values()), side["first"]
     upstream_measurements(
-        "vllm.model_executor import walk, unmodified 0.33.0",
+        f"vllm.model_executor import walk, unmodified {UPSTREAM_VERSION}",
         f"{len(unmodified['ok'])} import, {len(unmodified['failed'])} fail",
     )
     upstream_measurements(

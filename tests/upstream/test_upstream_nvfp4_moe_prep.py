@@ -15,13 +15,14 @@ rounding, every alpha 1) and the preparation's peak transient CPU memory,
 the control later tests compare the fork against."""
 
 import pytest
+from upstream_reports import prepare_and_report
 
+from upstream_env import UPSTREAM_VERSION
 from upstream_layers import (
     CHECKPOINT_FORMATS,
     E4M3_RELATIVE_ROUNDING,
     QWEN36_35B_A3B,
     SMALL,
-    prepare_and_report,
 )
 
 MIB = 1 << 20
@@ -112,7 +113,8 @@ def test_unmodified_qwen36_layer_preparation_peak(
     for report in reports:
         _check_b12x_preparation(report, QWEN36_35B_A3B, fork=False)
         upstream_measurements(
-            f"unmodified 0.33.0 {report['method']} FLASHINFER_B12X preparation, "
+            f"unmodified {UPSTREAM_VERSION} {report['method']} FLASHINFER_B12X "
+            "preparation, "
             f"{QWEN36_35B_A3B.name} layer ({QWEN36_35B_A3B.id}), peak transient",
             f"{report['peak_bytes'] / MIB:.1f} MiB",
         )

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The branch's reworked kernel test, tests/kernels/moe/test_flashinfer_b12x_moe.py,
-in upstream's test layout (upstream_test_tree.py) inside vLLM 0.33.0 with
+in upstream's test layout (upstream_test_tree.py) inside the release with
 this branch built in: it collects; without an SM120/SM121 GPU its kernel
 cases skip, the reason naming SM120/SM121 and the kernel gate's own; its
 CPU cases pass, or skip where upstream's ``FusedMoEConfig`` refuses a
 non-gated layer off CUDA; and every vllm name it and its helper modules
-import resolves in the installed fork and is 0.33.0's or the branch's."""
+import resolves in the installed fork and is the release's or the branch's."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from interface_check import MANIFEST
-from upstream_env import REPO_ROOT, SLICE_VLLM, unmodified_tree, unmodified_tree_problem
+from upstream_env import (
+    REPO_ROOT,
+    SLICE_VLLM,
+    UPSTREAM_VERSION,
+    unmodified_tree,
+    unmodified_tree_problem,
+)
 from upstream_test_tree import (
     STAND_INS,
     ChildRun,
@@ -31,9 +36,9 @@ from upstream_test_tree import (
 )
 
 try:  # tests/upstream's pytest.ini puts tools/ on sys.path
-    from build_fork_wheel import load_manifest
+    from fork_manifest import load_manifest
 except ImportError:  # the slice's own suite (collected, skipped): the root
-    from tools.build_fork_wheel import load_manifest
+    from tools.fork_manifest import load_manifest
 
 TEST = "tests/kernels/moe/test_flashinfer_b12x_moe.py"
 #: The tests.* modules it imports: new files in upstream's tree.
@@ -127,7 +132,7 @@ def test_kernel_cases_skip_naming_sm120_and_cpu_cases_run(
 
 @pytest.fixture(scope="module")
 def manifest():
-    return load_manifest(MANIFEST)
+    return load_manifest()
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +142,13 @@ def unmodified() -> Path:
     return unmodified_tree()
 
 
-def test_its_vllm_names_are_0_33_0s_or_the_branchs(
+def test_its_vllm_names_are_the_releases_or_the_branchs(
     unmodified: Path, manifest, upstream_measurements
 ):
     names = vllm_names(modules_of_test(TEST))
     assert names
     unknown = [n for n in names if name_origin(n, unmodified, manifest) is None]
-    assert not unknown, f"neither 0.33.0's nor the branch's: {unknown}"
+    assert not unknown, f"neither {UPSTREAM_VERSION}'s nor the branch's: {unknown}"
     unresolved = {n: p for n in names if (p := resolve_installed(n))}
     assert not unresolved, f"not in the installed fork: {unresolved}"
     branch = sorted(
@@ -154,11 +159,11 @@ def test_its_vllm_names_are_0_33_0s_or_the_branchs(
     upstream_measurements("branch names the test imports", ", ".join(branch))
 
 
-def test_a_name_0_33_0_lacks_is_neither_and_does_not_resolve(
+def test_a_name_the_release_lacks_is_neither_and_does_not_resolve(
     unmodified: Path, manifest, tmp_path: Path
 ):
     # The negative control of the check above, on a file importing a name
-    # from a module 0.33.0 and the branch share, a name of the branch's new
+    # from a module the release and the branch share, a name of the branch's new
     # module, and one nobody has.
     (tmp_path / "t.py").write_text(
         "from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig\n"
@@ -172,7 +177,7 @@ def test_a_name_0_33_0_lacks_is_neither_and_does_not_resolve(
     call = "vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call"
     origins = {(n.module, n.name): name_origin(n, unmodified, manifest) for n in names}
     assert origins == {
-        (config, "FusedMoEConfig"): "0.33.0",
+        (config, "FusedMoEConfig"): UPSTREAM_VERSION,
         (config, "no_such_name"): None,
         (call, ""): "branch",
         (call, "is_flashinfer_b12x_moe_available"): "branch",

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Where the tests of tests/upstream run: which vLLM is installed, running a
-snippet against unmodified vLLM 0.33.0 in a subprocess, and loading this
-repository's own pure-torch helpers by file path.
+"""Where the tests of tests/upstream run: which vLLM release is installed and
+expected, running a snippet against the unmodified release in a subprocess,
+and loading this repository's own pure-torch helpers by file path.
 
 Nothing here imports vllm or flashinfer at module level: the normal slice
 suite imports this file while collecting tests/upstream, to skip it.
@@ -10,13 +10,22 @@ suite imports this file while collecting tests/upstream, to skip it.
 Three interpreters' views of ``vllm`` are involved:
 
 * the *installed* vllm: the one in site-packages of the running interpreter
-  (in ``.venv-upstream``: the fork wheel, "vLLM 0.33.0 + this branch");
-* *unmodified* 0.33.0: the untouched unpacked release that
+  (in ``.venv-upstream``: a fork wheel, "vLLM <release> + this branch",
+  ``<release>+nvfp4moe``);
+* the *unmodified* release: the untouched unpacked release wheel that
   ``tools/build_fork_wheel.py`` keeps (``$VLLM_FORK_UPSTREAM_TREE``, default
-  ``build/fork/upstream``), imported ahead of site-packages through
-  ``PYTHONPATH`` in a subprocess;
+  ``build/fork/<release>/upstream``), imported ahead of site-packages
+  through ``PYTHONPATH`` in a subprocess;
 * this repository's slice (``<repo>/vllm``): never imported by these tests;
   single pure-torch files of it are loaded by path under private names.
+
+The release the tests expect is ``$VLLM_UPSTREAM_RELEASE`` (the README's
+command sets it for each run), else the installed fork's. The upstream
+environment is *active* when that variable is set, when the interpreter is
+this repository's ``.venv-upstream``, or when ``import vllm`` would load a
+pip-installed vllm rather than the slice: then a missing piece (not the
+fork, another release, no unmodified tree) fails every test instead of
+skipping it.
 """
 
 from __future__ import annotations
@@ -37,13 +46,19 @@ from typing import Any
 
 __all__ = [
     "FLASHINFER_VERSION",
+    "FORK_LABEL",
+    "RELEASE_ENV",
     "REPO_ROOT",
     "SLICE_VLLM",
+    "SUPPORTED_RELEASES",
     "UPSTREAM_COMMAND",
     "UPSTREAM_TREE_ENV",
     "UPSTREAM_VERSION",
     "SnippetError",
+    "environment_active",
+    "expected_release",
     "installed_vllm_problem",
+    "installed_vllm_version",
     "load_slice_module",
     "run_installed_json",
     "run_python_json",
@@ -58,23 +73,28 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SLICE_VLLM = REPO_ROOT / "vllm"
 HERE = Path(__file__).resolve().parent
 
-#: The release these tests run inside; the fork wheel is this version plus a
-#: local label (``0.33.0+nvfp4moe...``).
-UPSTREAM_VERSION = "0.33.0"
+#: The releases the fork is built into (tools/fork_manifest.toml).
+SUPPORTED_RELEASES = ("0.34.0", "0.33.0")
+#: Names the release the tests expect; the README's command sets it.
+RELEASE_ENV = "VLLM_UPSTREAM_RELEASE"
+#: The fork wheel's local version label: ``<release>+nvfp4moe[.g<sha>[.dirty]]``.
+FORK_LABEL = "nvfp4moe"
 #: FlashInfer's release whose host code the tests run (requirements/
-#: upstream-cpu.txt pins it; vLLM 0.33.0 itself pins 0.7.2.post1).
+#: upstream-cpu.txt pins it; vLLM 0.33.0 pins 0.7.2.post1, 0.34.0 0.7.3).
 FLASHINFER_VERSION = "0.7.4"
 UPSTREAM_TREE_ENV = "VLLM_FORK_UPSTREAM_TREE"
-_DEFAULT_UPSTREAM_TREE = "build/fork/upstream"
 #: How to run these tests for real; every skip reason names it.
 UPSTREAM_COMMAND = (
-    "the command in README.md, '## Tests inside vLLM 0.33.0 (CPU)' (builds "
-    ".venv-upstream, then runs `(cd tests/upstream && python -m pytest)`)"
+    "the command in README.md, '## Tests inside vLLM 0.34.0 and 0.33.0 (CPU)' "
+    "(builds .venv-upstream, then runs `(cd tests/upstream && python -m "
+    "pytest)` once per release)"
 )
 
-_VERSION_RE = re.compile(rf"{re.escape(UPSTREAM_VERSION)}(\+[0-9A-Za-z.]+)?")
-# Default timeout of a snippet: an import of vLLM 0.33.0 alone takes ~20 s
-# on 2 cores, the import walk about as long again.
+_FORK_VERSION_RE = re.compile(
+    r"(?P<release>\d+\.\d+\.\d+)\+" + FORK_LABEL + r"(\.[0-9A-Za-z]+)*"
+)
+# Default timeout of a snippet: an import of vLLM alone takes ~20 s on 2
+# cores, the import walk about as long again.
 _SNIPPET_TIMEOUT_S = 900
 
 
@@ -91,16 +111,70 @@ def _is_within(path: Path, parent: Path) -> bool:
     return True
 
 
+def installed_vllm_version() -> str | None:
+    """The version of the installed vllm distribution (metadata only), or
+    None when there is none."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _loads_slice() -> bool:
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return False
+    return bool(
+        spec and spec.origin and _is_within(Path(spec.origin).resolve(), SLICE_VLLM)
+    )
+
+
+def environment_active() -> bool:
+    """Whether the upstream environment is active (see the module doc):
+    ``$VLLM_UPSTREAM_RELEASE`` set, this repository's ``.venv-upstream``
+    running, or a pip-installed vllm that is not the slice."""
+    if os.environ.get(RELEASE_ENV):
+        return True
+    if Path(sys.prefix).resolve() == (REPO_ROOT / ".venv-upstream").resolve():
+        return True
+    return installed_vllm_version() is not None and not _loads_slice()
+
+
+def expected_release() -> str:
+    """The release the tests expect: ``$VLLM_UPSTREAM_RELEASE``, else the
+    installed fork's release, else the newest supported one. Metadata only."""
+    wanted = os.environ.get(RELEASE_ENV)
+    if wanted:
+        return wanted
+    version = installed_vllm_version() or ""
+    match = _FORK_VERSION_RE.fullmatch(version)
+    if match and match.group("release") in SUPPORTED_RELEASES:
+        return match.group("release")
+    return SUPPORTED_RELEASES[0]
+
+
+#: The release these tests run inside (:func:`expected_release`).
+UPSTREAM_VERSION = expected_release()
+
+
 def installed_vllm_problem() -> str | None:
     """Why this interpreter cannot run tests/upstream, or None if it can.
 
-    It can when ``import vllm`` would load a vLLM 0.33.0 (or 0.33.0+label)
-    installed by pip, not this repository's slice, and flashinfer-python
-    0.7.4 is installed. Installed by pip: in this interpreter's
-    site-packages, or in a directory of ``PYTHONPATH`` that ``pip install
-    --target`` wrote (its dist-info there has pip's ``INSTALLER`` file; an
-    unpacked wheel such as ``build/fork/upstream`` has none). Looks only at
-    import specs and package metadata: imports neither package."""
+    It can when ``import vllm`` would load the fork of the expected release
+    (``<release>+nvfp4moe[...]``, :func:`expected_release`, one of
+    :data:`SUPPORTED_RELEASES`) installed by pip, not this repository's
+    slice, and flashinfer-python 0.7.4 is installed. Installed by pip: in
+    this interpreter's site-packages, or in a directory of ``PYTHONPATH``
+    that ``pip install --target`` wrote (its dist-info there has pip's
+    ``INSTALLER`` file; an unpacked wheel such as
+    ``build/fork/<release>/upstream`` has none). Looks only at import specs
+    and package metadata: imports neither package."""
+    if UPSTREAM_VERSION not in SUPPORTED_RELEASES:
+        return (
+            f"{RELEASE_ENV}={UPSTREAM_VERSION} is not a supported release "
+            f"(supported: {', '.join(SUPPORTED_RELEASES)})"
+        )
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError) as e:
@@ -111,7 +185,7 @@ def installed_vllm_problem() -> str | None:
     if _is_within(location, SLICE_VLLM):
         return (
             f"`import vllm` loads this repository's slice ({location}), not an "
-            "installed vLLM 0.33.0"
+            f"installed vLLM {UPSTREAM_VERSION} fork"
         )
     try:
         dist = importlib.metadata.distribution("vllm")
@@ -128,8 +202,18 @@ def installed_vllm_problem() -> str | None:
             f"the installed vllm distribution ({dist.version}) is not the one "
             f"`import vllm` loads ({location})"
         )
-    if not _VERSION_RE.fullmatch(dist.version):
-        return f"installed vllm is {dist.version}, not {UPSTREAM_VERSION}[+label]"
+    match = _FORK_VERSION_RE.fullmatch(dist.version)
+    if match is None:
+        return (
+            f"installed vllm is {dist.version}, not the fork "
+            f"({UPSTREAM_VERSION}+{FORK_LABEL}, tools/build_fork_wheel.py)"
+        )
+    if match.group("release") != UPSTREAM_VERSION:
+        return (
+            f"installed vllm is {dist.version}, the fork of "
+            f"{match.group('release')}, but the tests expect {UPSTREAM_VERSION} "
+            f"({RELEASE_ENV})"
+        )
     try:
         fi_version = importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
@@ -140,24 +224,27 @@ def installed_vllm_problem() -> str | None:
 
 
 def unmodified_tree() -> Path:
-    """The unpacked, untouched vLLM 0.33.0 release: ``$VLLM_FORK_UPSTREAM_TREE``
-    (relative paths from the repository root), default ``build/fork/upstream``
-    as ``tools/build_fork_wheel.py`` leaves it. The directory that holds
-    ``vllm/``, i.e. what goes on ``PYTHONPATH``."""
-    tree = Path(os.environ.get(UPSTREAM_TREE_ENV) or _DEFAULT_UPSTREAM_TREE)
+    """The unpacked, untouched release: ``$VLLM_FORK_UPSTREAM_TREE``
+    (relative paths from the repository root), default
+    ``build/fork/<release>/upstream`` as ``tools/build_fork_wheel.py`` leaves
+    it. The directory that holds ``vllm/``, i.e. what goes on
+    ``PYTHONPATH``."""
+    default = f"build/fork/{UPSTREAM_VERSION}/upstream"
+    tree = Path(os.environ.get(UPSTREAM_TREE_ENV) or default)
     return tree if tree.is_absolute() else REPO_ROOT / tree
 
 
 def unmodified_tree_problem() -> str | None:
-    """Why unmodified 0.33.0 cannot be run, or None if it can: the tree is
-    missing or is not 0.33.0 (read from its ``vllm/_version.py``)."""
+    """Why the unmodified release cannot be run, or None if it can: the tree
+    is missing or is not the expected release (read from its
+    ``vllm/_version.py``)."""
     tree = unmodified_tree()
     version_file = tree / "vllm" / "_version.py"
     if not version_file.is_file():
         return (
             f"no unmodified vLLM {UPSTREAM_VERSION} tree at {tree} (run "
             f"`python tools/build_fork_wheel.py`, or set {UPSTREAM_TREE_ENV} "
-            "to an unpacked vllm-0.33.0 wheel)"
+            f"to an unpacked vllm-{UPSTREAM_VERSION} wheel)"
         )
     match = re.search(
         r"__version__\s*=.*?['\"]([^'\"]+)['\"]", version_file.read_text()
@@ -240,7 +327,7 @@ def run_installed_json(snippet: str, **kwargs: Any) -> Any:
 
 
 def run_unmodified_json(snippet: str, **kwargs: Any) -> Any:
-    """:func:`run_python_json` against unmodified vLLM 0.33.0
+    """:func:`run_python_json` against the unmodified release
     (:func:`unmodified_tree` first on ``PYTHONPATH``); checks that the child
     imported vllm from that tree. Call :func:`unmodified_tree_problem` first
     (the fixture ``unmodified_upstream`` skips on it)."""

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_outcomes import OUTCOMES_ENV
-from upstream_env import REPO_ROOT
+from upstream_env import REPO_ROOT, UPSTREAM_VERSION
 
 __all__ = [
     "STAND_INS",
@@ -144,18 +144,24 @@ class ChildRun:
     record: dict[str, Any]
 
 
-def run_pytest(root: Path, args: list[str], timeout: float) -> ChildRun:
+def run_pytest(
+    root: Path, args: list[str], timeout: float, pythonpath: tuple[Path, ...] = ()
+) -> ChildRun:
     """``python -m pytest -p no:cacheprovider -p pytest_outcomes *args`` in
-    ``root/tests`` with this interpreter (the installed vllm; never the
-    repository root on ``sys.path``: ``PYTHONPATH`` is this directory, for
-    the plugin, then this process's own). Raises RuntimeError if the child
-    wrote no record (it did not get to the end of its session)."""
+    ``root/tests`` with this interpreter (the installed vllm, or the tree
+    first in ``pythonpath``, e.g. the unmodified release; never the
+    repository root on ``sys.path``: ``PYTHONPATH`` is ``pythonpath``, this
+    directory, for the plugin, then this process's own). Raises RuntimeError
+    if the child wrote no record (it did not get to the end of its
+    session)."""
     with tempfile.TemporaryDirectory(prefix="pytest-outcomes-") as tmp:
         out = Path(tmp) / "outcomes.json"
         inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(_HERE), *inherited]),
+            "PYTHONPATH": os.pathsep.join(
+                [*map(str, pythonpath), str(_HERE), *inherited]
+            ),
             OUTCOMES_ENV: str(out),
         }
         proc = subprocess.run(
@@ -264,25 +270,23 @@ def _has(root: Path, name: VllmName) -> bool:
 
 
 def name_origin(name: VllmName, unmodified: Path, manifest: Any) -> str | None:
-    """Whose ``name`` is: "0.33.0" where unmodified 0.33.0's source (the
-    tree under ``unmodified``) binds it, "branch" where the branch's manifest
-    (``build_fork_wheel.Manifest``) adds its module (mode ``new``), replaces
-    its module with the branch's file that binds it (``replace``), or lists
-    it among the definitions or variables it puts in an upstream module
-    (``splice``, ``envs``); None where it is neither's."""
+    """Whose ``name`` is: the release's (its version, e.g. "0.34.0") where
+    the unmodified release's source (the tree under ``unmodified``) binds it,
+    "branch" where the branch's manifest (tools/fork_manifest.py's
+    ``Manifest``) adds its module (``new``), or names it among the
+    definitions it replaces or adds in an upstream module (``replace``,
+    ``add``; a class's member by its class) or the variables it adds
+    (``envs``); None where it is neither's."""
     if _has(unmodified, name):
-        return "0.33.0"
+        return UPSTREAM_VERSION
     rel = name.module.replace(".", "/")
-    entries = {f.path: f for f in manifest.files}
-    entry = entries.get(f"{rel}.py") or entries.get(f"{rel}/__init__.py")
-    if entry is None:
-        return None
-    if entry.mode == "new":
+    paths = (f"{rel}.py", f"{rel}/__init__.py")
+    # One entry per PR that touches the file.
+    entries = [e for e in manifest.entries(version=UPSTREAM_VERSION) if e.path in paths]
+    if any(e.new for e in entries):
         return "branch"
-    if entry.mode == "replace":
-        return "branch" if _has(REPO_ROOT, name) else None
-    listed = name.name in entry.definitions or name.name in entry.variables
-    return "branch" if listed else None
+    owned = {q.split(".")[0] for e in entries for q in (*e.replace, *e.add, *e.envs)}
+    return "branch" if name.name in owned else None
 
 
 def resolve_installed(name: VllmName) -> str | None:

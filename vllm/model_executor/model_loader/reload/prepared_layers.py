@@ -1,0 +1,200 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Weight reload of layers prepared in place (``layer.weight_prep_state``).
+
+The b12x NVFP4 MoE experts rewrite a layer's parameters into the kernel's
+layout in their own storage and record each step. A reload must not let a
+checkpoint loader write into that layout, nor rerun the preparation on a
+layer whose record says it is done:
+
+* direct (``begin_prepared_reload(model, direct=True)``, from
+  ``begin_direct_reload`` once its own checks passed): every prepared
+  layer is checked first (a refusal leaves the model untouched), then each
+  is brought back to the load layout in place (the experts'
+  ``restore_load_layout``); the loaders write in place and the finish's
+  ``process_weights_after_loading`` prepares again in the same storage.
+  ``finish_prepared_reload(model)``, after it, refills the tensors the new
+  experts derived (alphas, scales) into the previous ones, so every address
+  a captured CUDA graph holds stays valid.
+* layerwise (``begin_prepared_reload(model, direct=False)``, from
+  ``initialize_layerwise_reload``): the layer's kernel tensors are set
+  aside by the reload and new ones materialized in the load layout, so the
+  layer starts a new preparation record; ``finish_prepared_reload(model)``,
+  from ``finalize_layerwise_reload``, re-keys that record and the experts'
+  views on the kernel tensors the processed values were copied into.
+
+Layers without a preparation record are not touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
+    after_copy,
+    changed_parameters,
+)
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    MoEWeightPrepState,
+    PrepStatus,
+    get_prep_state,
+)
+
+logger = init_logger(__name__)
+
+__all__ = ["begin_prepared_reload", "finish_prepared_reload"]
+
+# Attributes the reload keeps on a prepared layer between begin and finish.
+_BEFORE = "_prepared_reload_before"
+# The row order of the layer's w13 bytes ([w3; w1] when True): the experts'
+# preparation records it on the layer.
+_ORDER = "w13_loaded_as_w3w1"
+
+
+def _experts(layer: torch.nn.Module) -> Any | None:
+    """The experts that prepared ``layer`` (its quant method's modular
+    kernel's), or None."""
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return experts if hasattr(experts, "restore_load_layout") else None
+
+
+def _prepared_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module.__dict__.get("weight_prep_state"), MoEWeightPrepState)
+    ]
+
+
+def _direct_problem(layer: torch.nn.Module, experts: Any | None) -> str | None:
+    """Why ``layer`` cannot be brought back to its load layout exactly, or
+    None."""
+    state = get_prep_state(layer)
+    if state.status is PrepStatus.LOADING:
+        return None  # the load layout already (a torn layer is rewritten whole)
+    if experts is None:
+        return "its preparation record has no experts to restore it"
+    if getattr(experts, "effective_global_scale_mode", "alpha") == "fold":
+        return (
+            "its block scales hold the folded global scales (b12x global scale "
+            "mode 'fold'), which a loader writing part of the layer would mix "
+            "with the checkpoint's; reload with VLLM_RELOAD_MODE=layerwise"
+        )
+    # Prepared: anything moved since; an interrupted preparation or restore:
+    # the writes its record saw.
+    changed = changed_parameters(state, layer)
+    if changed:
+        what = ", ".join(f"{n} {how}" for n, how in sorted(changed.items()))
+        return (
+            f"its parameters changed after the preparation ({what}); the load "
+            "layout cannot be restored exactly"
+        )
+    return None
+
+
+def begin_prepared_reload(model: torch.nn.Module, *, direct: bool) -> int:
+    """Make every prepared layer of ``model`` loadable for a weight reload
+    (see the module doc); returns how many layers it changed. RuntimeError
+    naming the layer and the reason, with nothing changed, when a direct
+    reload cannot restore one exactly."""
+    layers = _prepared_layers(model)
+    mode = "direct" if direct else "layerwise"
+    if direct:
+        for name, layer in layers:
+            if problem := _direct_problem(layer, _experts(layer)):
+                raise RuntimeError(f"{mode} reload: {name or 'model'}: {problem}")
+    changed = 0
+    for name, layer in layers:
+        state, experts = get_prep_state(layer), _experts(layer)
+        order = layer.__dict__.get(_ORDER)
+        before = (state, experts, _binding(experts), order)
+        if direct:
+            if state.status is PrepStatus.LOADING:
+                continue
+            experts.restore_load_layout(layer)
+            if state.status is not PrepStatus.LOADING or state.torn:
+                raise RuntimeError(
+                    f"{mode} reload: {name or 'model'}: restoring the load "
+                    f"layout left the layer {state.status.value}"
+                    + (f" and torn ({state.torn_reason})" if state.torn else "")
+                )
+        else:
+            # New tensors will be materialized in the load layout (rows in
+            # the order the loader writes them) and prepared: a new record.
+            layer.weight_prep_state = MoEWeightPrepState()
+            if state.load_w3w1 is not None:
+                layer.__dict__[_ORDER] = state.load_w3w1
+        layer.__dict__[_BEFORE] = before
+        changed += 1
+    if changed:
+        logger.info("%s reload: %d prepared layers made loadable", mode, changed)
+    return changed
+
+
+def _binding(experts: Any | None) -> Any | None:
+    return None if experts is None else getattr(experts, "prepared", None)
+
+
+def _refill(old: Any, new: Any, layer: torch.nn.Module) -> dict[str, Any]:
+    """The fields of binding ``new`` (a dataclass of the kernel's views and
+    the tensors derived from the weights) that own their storage, copied into
+    ``old``'s tensors of the same shape, dtype and device: name -> the old
+    tensor, now holding the new values."""
+    if type(old) is not type(new) or not dataclasses.is_dataclass(new):
+        return {}
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
+    kept = {}
+    for field in dataclasses.fields(new):
+        a, b = getattr(old, field.name), getattr(new, field.name)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        if b.untyped_storage().data_ptr() in params:
+            continue  # a view of a parameter: at its address already
+        if (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device):
+            kept[field.name] = a.copy_(b)
+    return kept
+
+
+def _rekey(layer: torch.nn.Module, state: MoEWeightPrepState) -> None:
+    """A record made on the materialized tensors, now on the kernel tensors
+    the layerwise reload copied the processed values into."""
+    room = list(state.padded_storage)
+    after_copy(state, layer, {"room": room, "clean": True})
+
+
+def finish_prepared_reload(model: torch.nn.Module) -> int:
+    """After a reload's processing: each layer :func:`begin_prepared_reload`
+    changed is bound again at the addresses it had (see the module doc);
+    returns how many. A layer whose new record is not prepared (nothing was
+    loaded into it) keeps its previous record and views."""
+    done = 0
+    for _, layer in _prepared_layers(model):
+        before = layer.__dict__.pop(_BEFORE, None)
+        if before is None:
+            continue
+        old_state, old_experts, old_binding, order = before
+        state, experts = get_prep_state(layer), _experts(layer)
+        if state.status is not PrepStatus.PREPARED or experts is None:
+            if state is not old_state and state.status is PrepStatus.LOADING:
+                # Nothing was reprocessed: the kernel tensors are the old ones.
+                layer.weight_prep_state = old_state
+                if order is not None:
+                    layer.__dict__[_ORDER] = order
+            continue
+        if state is not old_state:
+            _rekey(layer, state)
+            experts.bind_prepared(layer)
+        kept = _refill(old_binding, _binding(experts), layer)
+        if kept:
+            experts.prepared = dataclasses.replace(experts.prepared, **kept)
+            if hasattr(experts, "_bound"):
+                experts._bound = experts.prepared
+            if "fc2_input_scale" in kept:
+                experts._fc2_input_scale = kept["fc2_input_scale"]
+        done += 1
+    return done
