@@ -6,10 +6,12 @@ release, file and definition and writes nothing."""
 
 import shutil
 
+import libcst as cst
 import pytest
 
 from tests.tools.fork_fixtures import BUILDKITE, FILES, UPSTREAM, Toy, dedent
 from tools.fork_branch import BranchError, apply_branch, load_manifest, main
+from tools.fork_cst import add_imports
 
 OPS = dedent('''
     """Upstream's ops."""
@@ -337,3 +339,43 @@ def test_an_entry_for_some_releases_only(toy):
     other.manifest = load_manifest(other.manifest_path)
     apply_branch(other.tree, "1.0.0", repo=other.repo, manifest=other.manifest)
     assert not (other.tree / "vllm/only_new.py").exists()
+
+
+@pytest.mark.parametrize(
+    "before, wanted, after",
+    [
+        (  # a section of its own, before the others
+            '"""Doc."""\n\nfrom vllm.a import b\n\nX = 1\n',
+            {"os": ("import", "", "os")},
+            '"""Doc."""\n\nimport os\n\nfrom vllm.a import b\n\nX = 1\n',
+        ),
+        (  # the first import
+            '"""Doc."""\n\nX = 1\n',
+            {"os": ("import", "", "os")},
+            '"""Doc."""\n\nimport os\n\nX = 1\n',
+        ),
+        (  # a section of its own, after the others
+            "import os\n\nimport torch\n\nX = 1\n",
+            {"y": ("import", "vllm.a", "y")},
+            "import os\n\nimport torch\n\nfrom vllm.a import y\n\nX = 1\n",
+        ),
+        (  # a section of its own, between two
+            "import os\n\nfrom vllm.a import b\n",
+            {"torch": ("import", "", "torch")},
+            "import os\n\nimport torch\n\nfrom vllm.a import b\n",
+        ),
+        (  # sorted into its section
+            "from vllm.b import c\nfrom vllm.d import e\n",
+            {"y": ("import", "vllm.c", "y"), "m": ("import", "", "vllm.m")},
+            "import vllm.m as m\nfrom vllm.b import c\n"
+            "from vllm.c import y\nfrom vllm.d import e\n",
+        ),
+        (  # merged into upstream's import of the module, constants first
+            "from vllm.b import c\n",
+            {"A_B": ("import", "vllm.b", "A_B"), "D": ("import", "vllm.b", "D")},
+            "from vllm.b import A_B, D, c\n",
+        ),
+    ],
+)
+def test_imports_are_placed_as_ruffs_isort_places_them(before, wanted, after):
+    assert add_imports(cst.parse_module(before), wanted, "vllm").code == after
