@@ -35,9 +35,8 @@ try:
         source_hash,
     )
 except ImportError:  # run as `python tools/follow_pypi.py`
-    from fork_branch import BranchError, Manifest, Release, load_manifest, source_hash
-
     from build_fork_wheel import _fetch
+    from fork_branch import BranchError, Manifest, Release, load_manifest, source_hash
 
 __all__ = ["drift_report", "main", "supported_problems"]
 

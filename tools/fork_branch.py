@@ -202,8 +202,8 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
     for e in entries:  # every hash of upstream's own text, before any change
         who = f"vllm {version}: {e.path}"
         if (tree / e.path).exists() == e.new:
-            there = "already has" if e.new else "has no"
-            raise BranchError(f"{who}: the release {there} this file")
+            there = "already has this file" if e.new else "has no such file"
+            raise BranchError(f"{who}: the release {there}")
         names = sorted({*e.changed, *e.sha256.get(version, {})})
         if not e.new:
             text = texts.setdefault(e.path, _read(tree / e.path, who))

@@ -241,11 +241,9 @@ def _import_line(mod: str, names: list[tuple[str, str]]) -> cst.SimpleStatementL
         plain = full if mod else full.split(".")[0]
         return full if bound == plain else f"{full} as {bound}"
 
-    def rank(pair: tuple[str, str]) -> tuple:
-        n = pair[0]
-        return 0 if n.isupper() and len(n) > 1 else 1 if n[
-            0
-        ].isupper() else 2, _natural(n)
+    def rank(pair: tuple[str, str]) -> tuple:  # constants, classes, the rest
+        kind = 0 if pair[0].isupper() and len(pair[0]) > 1 else 2 - pair[0][0].isupper()
+        return kind, _natural(pair[0])
 
     parts = [text(*p) for p in sorted(set(names), key=rank)]
     line = f"from {mod} import {', '.join(parts)}" if mod else f"import {parts[0]}"
@@ -288,27 +286,29 @@ def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
                 module = module.deep_replace(same[0], swap)
                 continue
             new = _import_line(mod, pairs)
-            key = _sort_key(new, package)
-            earlier = [s for s in lines if _sort_key(s, package) < key]
-            later = [s for s in lines if _sort_key(s, package) > key]
-            blank = [cst.EmptyLine(indent=False)]
-            if (
-                earlier
-                and _sort_key(earlier[-1], package)[0] == key[0]
-                or earlier
-                and not later
-            ):
-                if _sort_key(earlier[-1], package)[0] != key[0]:
-                    new = new.with_changes(leading_lines=blank)
-                anchor, seq = earlier[-1], [earlier[-1], new]
-            elif later:
-                new = new.with_changes(leading_lines=later[0].leading_lines)
-                same = _sort_key(later[0], package)[0] == key[0]
-                anchor = later[0]
-                seq = [new, anchor.with_changes(leading_lines=() if same else blank)]
-            else:
-                module = module.with_changes(body=[new, *module.body])
+            if not lines:  # the first import: after the docstring
+                i = int(bool(module.body) and _binds(module.body[0], True) == "__doc__")
+                new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * i)
+                module = module.with_changes(
+                    body=[*module.body[:i], new, *module.body[i:]]
+                )
                 continue
+            key = _sort_key(new, package)
+            section = [s for s in lines if _sort_key(s, package)[0] == key[0]]
+            later = [s for s in section if _sort_key(s, package) > key]
+            lower = [s for s in lines if _sort_key(s, package)[0] < key[0]]
+            blank = [cst.EmptyLine(indent=False)]
+            if later or not (section or lower):  # in its place, before the next
+                anchor = (later or lines)[0]
+                new = new.with_changes(leading_lines=anchor.leading_lines)
+                gap = () if later else blank
+                seq = [new, anchor.with_changes(leading_lines=gap)]
+            else:  # after the last of its section, or of the sections before it
+                anchor = (section or lower)[-1]
+                seq = [
+                    anchor,
+                    new if section else new.with_changes(leading_lines=blank),
+                ]
             module = module.deep_replace(anchor, cst.FlattenSentinel(seq))
     return module
 

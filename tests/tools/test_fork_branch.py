@@ -6,10 +6,12 @@ release, file and definition and writes nothing."""
 
 import shutil
 
+import libcst as cst
 import pytest
 
 from tests.tools.fork_fixtures import BUILDKITE, FILES, UPSTREAM, Toy, dedent
-from tools.fork_branch import BranchError, apply_branch, main
+from tools.fork_branch import BranchError, apply_branch, load_manifest, main
+from tools.fork_cst import add_imports
 
 OPS = dedent('''
     """Upstream's ops."""
@@ -153,6 +155,18 @@ def test_a_planted_change_in_upstream_stops_it_naming_release_file_definition(to
     path.write_text(path.read_text().replace('return "w4a4"', 'return "w4a8"'))
     message = _refused(toy, "upstream's source changed")
     assert message.startswith("vllm 1.0.0: vllm/ops.py: pick: ")
+
+
+def test_a_comment_changed_upstream_is_drift(toy):
+    path = toy.tree / "vllm/ops.py"
+    path.write_text(path.read_text().replace("# which config", "# which configs"))
+    _refused(toy, "vllm 1.0.0: vllm/ops.py: pick: upstream's source changed")
+
+
+def test_a_name_defined_twice_is_refused(toy):
+    path = toy.tree / "vllm/ops.py"
+    path.write_text(path.read_text() + "\n\ndef unchanged(a):\n    return a\n")
+    _refused(toy, "vllm 1.0.0: vllm/ops.py: unchanged: unchanged: defined twice")
 
 
 def test_whitespace_alone_is_not_drift(toy):
@@ -309,9 +323,59 @@ def test_the_branch_files_are_read_from_src(toy):
 
 def test_an_entry_for_some_releases_only(toy):
     extra = '[[files]]\npath = "vllm/only_new.py"\npr = "first"\nnew = true\n'
-    extra += 'src = "vllm/newmod.py"\nreleases = ["1.0.0"]\n'
-    toy.write_manifest(FILES + extra)
+    extra += 'src = "vllm/newmod.py"\nreleases = ["RELEASE"]\n'
+    toy.write_manifest(FILES + extra.replace("RELEASE", "1.0.0"))
     _apply(toy)
     assert (toy.tree / "vllm/only_new.py").is_file()
     with pytest.raises(BranchError, match="no release 2.0.0"):
-        toy.write_manifest(FILES + extra.replace("1.0.0", "2.0.0"))
+        toy.write_manifest(FILES + extra.replace("RELEASE", "2.0.0"))
+    # a release the manifest has, but not this one: the entry is left out
+    other = Toy(toy.root / "other")
+    text = other.write_manifest(FILES + extra.replace("RELEASE", "1.0.0")).read_text()
+    block = text[text.index('[releases."1.0.0"]') : text.index("[[prs]]")]
+    text = text.replace('releases = ["1.0.0"]', 'releases = ["2.0.0"]')
+    text = text.replace("[[prs]]", block.replace("1.0.0", "2.0.0") + "[[prs]]", 1)
+    other.manifest_path.write_text(text)
+    other.manifest = load_manifest(other.manifest_path)
+    apply_branch(other.tree, "1.0.0", repo=other.repo, manifest=other.manifest)
+    assert not (other.tree / "vllm/only_new.py").exists()
+
+
+@pytest.mark.parametrize(
+    "before, wanted, after",
+    [
+        (  # a section of its own, before the others
+            '"""Doc."""\n\nfrom vllm.a import b\n\nX = 1\n',
+            {"os": ("import", "", "os")},
+            '"""Doc."""\n\nimport os\n\nfrom vllm.a import b\n\nX = 1\n',
+        ),
+        (  # the first import
+            '"""Doc."""\n\nX = 1\n',
+            {"os": ("import", "", "os")},
+            '"""Doc."""\n\nimport os\n\nX = 1\n',
+        ),
+        (  # a section of its own, after the others
+            "import os\n\nimport torch\n\nX = 1\n",
+            {"y": ("import", "vllm.a", "y")},
+            "import os\n\nimport torch\n\nfrom vllm.a import y\n\nX = 1\n",
+        ),
+        (  # a section of its own, between two
+            "import os\n\nfrom vllm.a import b\n",
+            {"torch": ("import", "", "torch")},
+            "import os\n\nimport torch\n\nfrom vllm.a import b\n",
+        ),
+        (  # sorted into its section
+            "from vllm.b import c\nfrom vllm.d import e\n",
+            {"y": ("import", "vllm.c", "y"), "m": ("import", "", "vllm.m")},
+            "import vllm.m as m\nfrom vllm.b import c\n"
+            "from vllm.c import y\nfrom vllm.d import e\n",
+        ),
+        (  # merged into upstream's import of the module, constants first
+            "from vllm.b import c\n",
+            {"A_B": ("import", "vllm.b", "A_B"), "D": ("import", "vllm.b", "D")},
+            "from vllm.b import A_B, D, c\n",
+        ),
+    ],
+)
+def test_imports_are_placed_as_ruffs_isort_places_them(before, wanted, after):
+    assert add_imports(cst.parse_module(before), wanted, "vllm").code == after
