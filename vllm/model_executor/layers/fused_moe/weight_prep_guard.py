@@ -184,9 +184,9 @@ class _GuardedWeightLoader:
             try:
                 result = loader(*args, **kwargs)
             finally:
-                # A loader that restored the load layout first (this tree's
-                # FusedMoE) leaves the layer LOADING; one that wrote into a
-                # prepared layer (vLLM's, through param.data) does not.
+                # A loader that restored the load layout first leaves the
+                # layer LOADING; one that wrote into a prepared layer (through
+                # param.data) does not.
                 if state.status is not PrepStatus.LOADING:
                     state.loader_writes.add(name)
             if state.torn and result is not False:

@@ -3,8 +3,7 @@
 """How the b12x experts call FlashInfer: gates, probes, requirements, wrapper.
 
 FlashInfer 0.7.4 (``requirements/cuda.txt``) is what this was written and
-tested against: its host-side code runs in ``tests/kernels/moe/
-test_flashinfer_b12x_host.py`` on CPU. W4A4 goes through
+tested against, its host-side code on CPU included. W4A4 goes through
 ``flashinfer.B12xMoEWrapper``, one per layer, built on first use::
 
     B12xMoEWrapper(E, top_k, H, I, quant_mode="nvfp4", activation=...,
