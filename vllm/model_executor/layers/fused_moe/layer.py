@@ -29,6 +29,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     after_copy,
     copy_facts,
+    note_converted,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
@@ -462,6 +463,13 @@ class FusedMoE(torch.nn.Module):
             "rank:tp_rank": moe.tp_rank,
             "rank:ep_rank": self.ep_rank,
         }
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .half(), ...: the parameters may be new tensors now, which
+        # the experts' next apply checks once (a conversion is refused).
+        out = super()._apply(fn, recurse)
+        note_converted(self)
+        return out
 
     # -- copies and state dicts: the layout travels with the tensors ------------
     def __getstate__(self) -> dict:

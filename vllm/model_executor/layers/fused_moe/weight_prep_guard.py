@@ -1,12 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The guard of a prepared MoE layer: writes that bypass the loader refused.
+"""The guard of a prepared MoE layer, kept at the events that change weights.
 
-:func:`record_prepared` fingerprints each parameter (and, with
-``VLLM_MOE_PREP_VERIFY=1``, checksums its bytes); :func:`check_unchanged`
-refuses the layer at ``forward`` and at a re-preparation when they moved, or
-when a :func:`guard_weight_loaders`-wrapped loader wrote outside the load
-layout.
+The experts' ``apply`` tests one flag (``state.ready``); nothing is walked
+per call, so a captured CUDA graph and an eager call are guarded alike. The
+flag is set by :func:`record_prepared` (the end of a preparation, a copy, a
+prepared state dict) and cleared by every event that can change a prepared
+layer's weights, each of which refuses or repairs the layer there:
+
+* preparation and re-preparation: :func:`check_unchanged` refuses a layer
+  whose parameters moved since :func:`record_prepared`;
+* a guarded ``weight_loader`` (:func:`guard_weight_loaders`) writing into a
+  layer that is not LOADING: refused at the write, with that message;
+* ``load_state_dict``: the layout is checked first, the bytes are copied in
+  place and recorded again;
+* a weight reload: the direct one refuses, before any byte changes and with
+  that message, a layer whose parameters moved, then restores the load
+  layout in place; the layerwise one prepares new tensors and copies them
+  into the kernel's;
+* ``.to()`` (``Module._apply``): :func:`note_converted`; the next ``apply``
+  checks once, refusing a layer whose parameters were converted.
+
+What no event sees: a write through ``param.data`` (``param.data.copy_``,
+``param.data = ...``) or an in-place op on a parameter after the preparation,
+outside vLLM's loaders, is not seen by ``apply``; the next event above
+refuses it (``VLLM_MOE_PREP_VERIFY=1`` adds checksums of the bytes to those
+checks, so that even ``param.data.copy_`` is refused there). vLLM writes
+weights through these events only.
 """
 
 from __future__ import annotations
@@ -30,7 +50,9 @@ __all__ = [
     "check_unchanged",
     "copy_facts",
     "guard_weight_loaders",
+    "note_converted",
     "record_prepared",
+    "unchanged_problem",
     "weight_checksum",
 ]
 
@@ -53,6 +75,12 @@ def weight_checksum(t: torch.Tensor) -> tuple[int, int]:
     return plain, weighted
 
 
+def _version(t: torch.Tensor) -> int | None:
+    # An inference tensor (made under torch.inference_mode) has no version
+    # counter: reading it raises. Its in-place writes are seen at events only.
+    return None if t.is_inference() else t._version
+
+
 def _fingerprint(t: torch.Tensor) -> tuple:
     return (
         t.untyped_storage().data_ptr(),
@@ -61,13 +89,14 @@ def _fingerprint(t: torch.Tensor) -> tuple:
         tuple(t.stride()),
         t.dtype,
         t.device,
-        t._version,
+        _version(t),
     )
 
 
 def record_prepared(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
     """Fingerprint (and with VLLM_MOE_PREP_VERIFY, checksum) every
-    parameter of a layer just prepared, into ``state``."""
+    parameter of a layer just prepared, into ``state``; ``apply`` may run
+    unchecked from now (``state.ready``) until an event clears it."""
     params = dict(layer.named_parameters())
     state.fingerprints = {n: _fingerprint(p) for n, p in params.items()}
     state.checksums = (
@@ -75,6 +104,7 @@ def record_prepared(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
         if env_int("VLLM_MOE_PREP_VERIFY", 0)
         else {}
     )
+    state.ready = True
 
 
 def changed_parameters(
@@ -105,21 +135,40 @@ def changed_parameters(
     return out
 
 
+def unchanged_problem(state: MoEWeightPrepState, layer: torch.nn.Module) -> str | None:
+    """The refusal :func:`check_unchanged` raises, or None."""
+    changed = changed_parameters(state, layer)
+    if not changed:
+        return None
+    what = ", ".join(f"{n} {how}" for n, how in changed.items())
+    return (
+        f"parameters of a prepared MoE layer were modified in place or "
+        f"replaced after its preparation ({what}); load new weights through "
+        "FusedMoE.weight_loader (or NVFP4MoECheckpoint.load_layer), which "
+        "returns the layer to its load layout first, or call the experts' "
+        "restore_load_layout(layer) before loading through another "
+        "weight_loader, then call process_weights_after_loading again"
+    )
+
+
 def check_unchanged(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
     """RuntimeError naming the parameters of a prepared layer written or
     replaced other than through ``weight_loader`` (``param.copy_``,
-    ``param.data = ...``; ``param.data.copy_`` with VLLM_MOE_PREP_VERIFY=1)."""
-    changed = changed_parameters(state, layer)
-    if changed:
-        what = ", ".join(f"{n} {how}" for n, how in changed.items())
-        raise RuntimeError(
-            f"parameters of a prepared MoE layer were modified in place or "
-            f"replaced after its preparation ({what}); load new weights through "
-            "FusedMoE.weight_loader (or NVFP4MoECheckpoint.load_layer), which "
-            "returns the layer to its load layout first, or call the experts' "
-            "restore_load_layout(layer) before loading through another "
-            "weight_loader, then call process_weights_after_loading again"
-        )
+    ``param.data = ...``; ``param.data.copy_`` with VLLM_MOE_PREP_VERIFY=1).
+    Run at the events (see the module doc), never per forward call."""
+    problem = unchanged_problem(state, layer)
+    if problem:
+        state.ready = False
+        raise RuntimeError(problem)
+
+
+def note_converted(layer: torch.nn.Module) -> None:
+    """``Module._apply`` (``.to()``, ``.half()``, ...) ran on ``layer``: the
+    next ``apply`` checks the parameters once (:func:`check_unchanged`:
+    refused when a conversion replaced them, accepted again otherwise)."""
+    state = layer.__dict__.get("weight_prep_state")
+    if isinstance(state, MoEWeightPrepState):
+        state.ready = False
 
 
 def copy_facts(state: MoEWeightPrepState, layer: torch.nn.Module) -> dict:
@@ -145,6 +194,7 @@ def after_copy(state: MoEWeightPrepState, layer: torch.nn.Module, facts: dict) -
             record_prepared(state, layer)
         else:  # modified before the copy: the copy refuses like the original
             state.fingerprints = dict.fromkeys(state.fingerprints)
+            state.ready = False
 
 
 def _slot_of(layer: torch.nn.Module, name: str, bound) -> tuple[int, int] | None:
@@ -189,6 +239,11 @@ class _GuardedWeightLoader:
                 # param.data) does not.
                 if state.status is not PrepStatus.LOADING:
                     state.loader_writes.add(name)
+                    state.ready = False
+            if state.loader_writes and state.status is not PrepStatus.LOADING:
+                # Refused at the write: apply (and a captured graph) would
+                # read a mix of layouts.
+                check_unchanged(state, layer)
             if state.torn and result is not False:
                 try:
                     bound = inspect.signature(loader).bind(*args, **kwargs)
@@ -204,9 +259,10 @@ def guard_weight_loaders(layer: torch.nn.Module) -> None:
     """Wrap the ``weight_loader`` of each of ``layer``'s own parameters (once):
     a write through it while the layer is not LOADING is recorded in
     ``state.loader_writes`` (vLLM's loaders write ``param.data[...]``, which
-    moves no version counter), so :func:`check_unchanged` refuses the layer
-    and a restore tears it; a write into a torn layer clears its (expert,
-    shard) slot. The wrapper keeps the loader's signature."""
+    moves no version counter) and refused there (:func:`check_unchanged`
+    raises at the write, and after it until a restore tears the layer); a
+    write into a torn layer clears its (expert, shard) slot. The wrapper
+    keeps the loader's signature."""
     for name, param in layer.named_parameters(recurse=False):
         loader = getattr(param, "weight_loader", None)
         if loader is None or getattr(loader, "_moe_prep_guarded", False):

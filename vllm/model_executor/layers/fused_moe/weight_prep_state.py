@@ -77,6 +77,10 @@ class MoEWeightPrepState:
             the load layout (their bytes are not the recorded layout).
         values: facts a preparation records for its later steps and the
             restore (W4A16: scale exponents, rotation), by the experts' keys.
+        ready: PREPARED and unchanged as far as the events saw (the guard,
+            ``weight_prep_guard``): the experts' ``apply`` runs without a
+            check; cleared by every status change and every event that can
+            change the weights.
     """
 
     status: PrepStatus = PrepStatus.LOADING
@@ -96,6 +100,7 @@ class MoEWeightPrepState:
     loader_writes: set[str] = field(default_factory=set)
     lock: Any = field(default_factory=threading.RLock, repr=False, compare=False)
     values: dict[str, Any] = field(default_factory=dict)
+    ready: bool = False
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
@@ -108,6 +113,7 @@ class MoEWeightPrepState:
 
     def begin(self, status: PrepStatus) -> None:
         """Enter PREPARING, RESTORING or LOADING: a new list of steps."""
+        self.ready = False
         self.status = status
         self.done = []
         self.progress = {}

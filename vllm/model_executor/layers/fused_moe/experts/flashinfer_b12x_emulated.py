@@ -183,10 +183,10 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
         expert_tokens_meta,
         apply_router_weight_on_input,
     ) -> None:
-        if self._guard is None:
-            self._check_prepared()
-        with self._guard[0].lock:
-            self._check_prepared()
+        state = self._state_for_apply()
+        with state.lock:
+            if not state.ready or self.prepared is None:
+                self._check_prepared()
             routes = _local_routes(topk_ids, topk_weights, expert_map)
             if self.weight_only:
                 out = self._emulate_w4a16(hidden_states, routes)

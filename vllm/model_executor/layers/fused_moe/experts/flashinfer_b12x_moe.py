@@ -100,6 +100,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         global_scale_mode: str | None = None,
     ):
         super().__init__(moe_config=moe_config, quant_config=quant_config)
+        self.max_num_tokens = moe_config.max_num_tokens
         # The layer's shape, as the modular kernel reads it.
         self.out_dtype = moe_config.in_dtype
         self.num_local_experts = moe_config.num_local_experts
@@ -160,8 +161,8 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         self.w1_sf_mma: torch.Tensor | None = None
         self.w2_sf_mma: torch.Tensor | None = None
         self._fc2_input_scale: torch.Tensor | None = None
-        # The layer's preparation state and parameters, for the check that a
-        # prepared layer's bytes were not changed behind its back.
+        # The layer's preparation state and the layer: apply tests the
+        # state's ready flag, set and cleared at the weights' events.
         self._guard: tuple[Any, torch.nn.Module] | None = None
         # FlashInfer's objects, built on the first apply (they need the
         # device): the W4A4 wrapper, or the W4A16 prepared-weights record.
@@ -400,6 +401,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         return d
 
     def _check_prepared(self) -> None:
+        """What ``apply`` runs when the layer's ``ready`` flag is clear (never
+        in steady state): RuntimeError when the layer is not prepared or an
+        event saw its weights change (``check_unchanged``'s message); binds
+        the views of a copy of prepared experts; sets the flag again."""
         if self._guard is None:
             raise RuntimeError(
                 f"{type(self).__name__}.apply called before "
@@ -415,6 +420,17 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
                 f"{state.status.value}): call process_weights_after_loading"
             )
         check_unchanged(state, layer)
+        state.ready = True
+
+    def _state_for_apply(self):
+        """The layer's preparation state (RuntimeError before any
+        preparation). ``apply`` holds its lock and runs
+        :meth:`_check_prepared` only when its ``ready`` flag is clear: one
+        flag test per call, the check itself after an event (see
+        ``weight_prep_guard``)."""
+        if self._guard is None:
+            self._check_prepared()
+        return self._guard[0]
 
     # -- compute --------------------------------------------------------------
     def apply(
@@ -438,10 +454,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         """One call of FlashInfer's b12x MoE on the prepared layer, into
         ``output`` [M, K]. Creates nothing per call here, and nothing new in
         FlashInfer's caches once the first call has built its objects."""
-        if self._guard is None:
-            self._check_prepared()
-        with self._guard[0].lock:  # a reload or preparation of this layer waits
-            self._check_prepared()
+        state = self._state_for_apply()
+        with state.lock:  # a reload or preparation of this layer waits
+            if not state.ready or self.prepared is None:
+                self._check_prepared()
             if self.weight_only:
                 self._run_w4a16(
                     output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map
