@@ -23,6 +23,7 @@ from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
     make_nvfp4_moe_quant_config,
     select_nvfp4_moe_backend,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import check_unchanged
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
     get_prep_state,
@@ -366,9 +367,10 @@ class ModelOptNvFp4FusedMoE:
             )
 
     def _check_ready(self, layer: torch.nn.Module, state) -> None:
-        # Only once an event cleared the ready flag: the experts check the
-        # weights (check_unchanged) and set it again.
+        # Only once an event cleared the ready flag (weight_prep_guard); the
+        # experts set it again.
         if self.moe_kernel is not None and state.status is PrepStatus.PREPARED:
+            check_unchanged(state, layer)
             return
         if state.status is PrepStatus.PREPARING:
             why = (

@@ -6,7 +6,8 @@ the branch adds to it, ``prepared_layers``, and the names upstream's
 
 from vllm.model_executor.model_loader.reload.prepared_layers import (
     begin_prepared_reload,
+    check_prepared_reload,
     finish_prepared_reload,
 )
 
-__all__ = ["begin_prepared_reload", "finish_prepared_reload"]
+__all__ = ["begin_prepared_reload", "check_prepared_reload", "finish_prepared_reload"]

@@ -7,12 +7,13 @@ layout in their own storage and record each step. A reload must not let a
 checkpoint loader write into that layout, nor rerun the preparation on a
 layer whose record says it is done:
 
-* direct (``begin_prepared_reload(model, direct=True)``, from
-  ``begin_direct_reload`` once its own checks passed): every prepared
-  layer is checked first (a refusal leaves the model untouched), then each
-  is brought back to the load layout in place (the experts'
-  ``restore_load_layout``); the loaders write in place and the finish's
-  ``process_weights_after_loading`` prepares again in the same storage.
+* direct: ``check_prepared_reload(model)``, among ``begin_direct_reload``'s
+  checks, refuses a prepared layer that cannot be brought back exactly
+  (the model untouched); ``begin_prepared_reload(model, direct=True)``,
+  once the reload began, brings each back to the load layout in place
+  (the experts' ``restore_load_layout``); the loaders write in place and
+  the finish's ``process_weights_after_loading`` prepares again in the
+  same storage.
   ``finish_prepared_reload(model)``, after it, refills the tensors the new
   experts derived (alphas, scales) into the previous ones, so every address
   a captured CUDA graph holds stays valid.
@@ -36,7 +37,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     after_copy,
-    changed_parameters,
+    unchanged_problem,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
@@ -46,7 +47,7 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 
 logger = init_logger(__name__)
 
-__all__ = ["begin_prepared_reload", "finish_prepared_reload"]
+__all__ = ["begin_prepared_reload", "check_prepared_reload", "finish_prepared_reload"]
 
 # Attributes the reload keeps on a prepared layer between begin and finish.
 _BEFORE = "_prepared_reload_before"
@@ -85,29 +86,28 @@ def _direct_problem(layer: torch.nn.Module, experts: Any | None) -> str | None:
             "mode 'fold'), which a loader writing part of the layer would mix "
             "with the checkpoint's; reload with VLLM_RELOAD_MODE=layerwise"
         )
-    # Prepared: anything moved since; an interrupted preparation or restore:
-    # the writes its record saw.
-    changed = changed_parameters(state, layer)
-    if changed:
-        what = ", ".join(f"{n} {how}" for n, how in sorted(changed.items()))
-        return (
-            f"its parameters changed after the preparation ({what}); the load "
-            "layout cannot be restored exactly"
-        )
-    return None
+    # Prepared: anything moved since (the guard's refusal); an interrupted
+    # preparation or restore: the writes its record saw.
+    return unchanged_problem(state, layer)
+
+
+def check_prepared_reload(model: torch.nn.Module) -> None:
+    """RuntimeError naming the layer and the reason (for a layer whose
+    parameters moved since its preparation, the guard's message) when a
+    direct reload cannot bring a prepared layer of ``model`` back to its
+    load layout exactly; changes nothing."""
+    for name, layer in _prepared_layers(model):
+        if problem := _direct_problem(layer, _experts(layer)):
+            raise RuntimeError(f"direct reload: {name or 'model'}: {problem}")
 
 
 def begin_prepared_reload(model: torch.nn.Module, *, direct: bool) -> int:
     """Make every prepared layer of ``model`` loadable for a weight reload
-    (see the module doc); returns how many layers it changed. RuntimeError
-    naming the layer and the reason, with nothing changed, when a direct
-    reload cannot restore one exactly."""
+    (see the module doc); returns how many layers it changed. Direct: run
+    :func:`check_prepared_reload` first (a layer it would refuse is torn
+    here, and RuntimeError names it)."""
     layers = _prepared_layers(model)
     mode = "direct" if direct else "layerwise"
-    if direct:
-        for name, layer in layers:
-            if problem := _direct_problem(layer, _experts(layer)):
-                raise RuntimeError(f"{mode} reload: {name or 'model'}: {problem}")
     changed = 0
     for name, layer in layers:
         state, experts = get_prep_state(layer), _experts(layer)
@@ -192,8 +192,6 @@ def finish_prepared_reload(model: torch.nn.Module) -> int:
         kept = _refill(old_binding, _binding(experts), layer)
         if kept:
             experts.prepared = dataclasses.replace(experts.prepared, **kept)
-            if hasattr(experts, "_bound"):
-                experts._bound = experts.prepared
             if "fc2_input_scale" in kept:
                 experts._fc2_input_scale = kept["fc2_input_scale"]
         done += 1
