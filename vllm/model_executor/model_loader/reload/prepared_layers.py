@@ -14,9 +14,10 @@ layer whose record says it is done:
   (the experts' ``restore_load_layout``); the loaders write in place and
   the finish's ``process_weights_after_loading`` prepares again in the
   same storage.
-  ``finish_prepared_reload(model)``, after it, refills the tensors the new
-  experts derived (alphas, scales) into the previous ones, so every address
-  a captured CUDA graph holds stays valid.
+  ``finish_prepared_reload(model)``, after it, binds the new experts with
+  the previous binding (``bind_prepared(layer, previous=...)``, which
+  refills the derived alphas and scales into the previous tensors), so
+  every address a captured CUDA graph holds stays valid.
 * layerwise (``begin_prepared_reload(model, direct=False)``, from
   ``initialize_layerwise_reload``): the layer's kernel tensors are set
   aside by the reload and new ones materialized in the load layout, so the
@@ -29,7 +30,6 @@ Layers without a preparation record are not touched.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -140,26 +140,6 @@ def _binding(experts: Any | None) -> Any | None:
     return None if experts is None else getattr(experts, "prepared", None)
 
 
-def _refill(old: Any, new: Any, layer: torch.nn.Module) -> dict[str, Any]:
-    """The fields of binding ``new`` (a dataclass of the kernel's views and
-    the tensors derived from the weights) that own their storage, copied into
-    ``old``'s tensors of the same shape, dtype and device: name -> the old
-    tensor, now holding the new values."""
-    if type(old) is not type(new) or not dataclasses.is_dataclass(new):
-        return {}
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
-    kept = {}
-    for field in dataclasses.fields(new):
-        a, b = getattr(old, field.name), getattr(new, field.name)
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            continue
-        if b.untyped_storage().data_ptr() in params:
-            continue  # a view of a parameter: at its address already
-        if (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device):
-            kept[field.name] = a.copy_(b)
-    return kept
-
-
 def _rekey(layer: torch.nn.Module, state: MoEWeightPrepState) -> None:
     """A record made on the materialized tensors, now on the kernel tensors
     the layerwise reload copied the processed values into."""
@@ -188,11 +168,7 @@ def finish_prepared_reload(model: torch.nn.Module) -> int:
             continue
         if state is not old_state:
             _rekey(layer, state)
-            experts.bind_prepared(layer)
-        kept = _refill(old_binding, _binding(experts), layer)
-        if kept:
-            experts.prepared = dataclasses.replace(experts.prepared, **kept)
-            if "fc2_input_scale" in kept:
-                experts._fc2_input_scale = kept["fc2_input_scale"]
+        # The derived tensors into the previous ones (their addresses).
+        experts.bind_prepared(layer, previous=old_binding)
         done += 1
     return done

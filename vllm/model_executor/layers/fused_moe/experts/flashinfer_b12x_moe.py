@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -69,6 +70,26 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 #: scale as loaded; "fold" multiplies them into the block scales and passes
 #: alphas of 1 (loses precision at real weight magnitudes).
 GLOBAL_SCALE_MODES = ("alpha", "fold")
+
+
+def _refill(old: Any, new: Any, layer: torch.nn.Module) -> Any:
+    """``new`` (a binding: a dataclass of the kernel's views and the tensors
+    derived from the weights), with each derived tensor copied into
+    ``old``'s tensor of the same field, shape, dtype and device; views of a
+    parameter are at their address already."""
+    if type(old) is not type(new) or not dataclasses.is_dataclass(new):
+        return new
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
+    kept = {}
+    for f in dataclasses.fields(new):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        if b.untyped_storage().data_ptr() in params:
+            continue
+        if (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device):
+            kept[f.name] = a.copy_(b)
+    return dataclasses.replace(new, **kept) if kept else new
 
 
 class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
@@ -336,16 +357,23 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         (``layer.w13_loaded_as_w3w1``)."""
         self.run_preparation(layer)
 
-    def bind_prepared(self, layer: torch.nn.Module) -> None:
+    def bind_prepared(self, layer: torch.nn.Module, previous: Any = None) -> None:
         """Make the kernel's views of a prepared layer's parameters (no copy
         of a weight): after the preparation, and for a copy of a prepared
-        layer (``copy.deepcopy``, ``load_state_dict``)."""
+        layer (``copy.deepcopy``, ``load_state_dict``). The tensors derived
+        from the weights (alphas, scales) are copied into those of
+        ``previous`` (default: the binding these experts had), where shapes
+        match, so that every address a captured CUDA graph holds stays
+        valid (a reload builds new experts: it passes the old binding)."""
+        if previous is None:
+            previous = self.prepared
         self._flashinfer_packed = None
         if self.weight_only:
-            self.prepared = self.weights.bind(layer)
+            self.prepared = _refill(previous, self.weights.bind(layer), layer)
         else:
             alpha = self.effective_global_scale_mode == "alpha"
             tensors = self.weights.bind(layer, alpha, self.quant_config)
+            tensors = _refill(previous, tensors, layer)
             self.prepared = tensors
             self.w1_sf_mma, self.w2_sf_mma = tensors.w1_sf_mma, tensors.w2_sf_mma
             self._fc2_input_scale = tensors.fc2_input_scale
