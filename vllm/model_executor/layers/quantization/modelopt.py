@@ -367,10 +367,10 @@ class ModelOptNvFp4FusedMoE:
             )
 
     def _check_ready(self, layer: torch.nn.Module, state) -> None:
-        # Only once an event cleared the ready flag (weight_prep_guard); the
-        # experts set it again.
+        # Only once an event cleared the ready flag (weight_prep_guard).
         if self.moe_kernel is not None and state.status is PrepStatus.PREPARED:
             check_unchanged(state, layer)
+            state.ready = True
             return
         if state.status is PrepStatus.PREPARING:
             why = (

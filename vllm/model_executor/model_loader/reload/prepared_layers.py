@@ -126,6 +126,7 @@ def begin_prepared_reload(model: torch.nn.Module, *, direct: bool) -> int:
         else:
             # New tensors will be materialized in the load layout (rows in
             # the order the loader writes them) and prepared: a new record.
+            state.ready = False  # apply refuses until the finish
             layer.weight_prep_state = MoEWeightPrepState()
             if state.load_w3w1 is not None:
                 layer.__dict__[_ORDER] = state.load_w3w1

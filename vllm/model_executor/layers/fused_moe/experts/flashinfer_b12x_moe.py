@@ -438,7 +438,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
                 f"{type(self).__name__}.apply called before "
                 "process_weights_after_loading prepared the layer's weights"
             )
-        state, layer = self._guard
+        bound, layer = self._guard
+        state = get_prep_state(layer)
+        if state is not bound:  # a new record (layerwise reload)
+            self.prepared = None
         if self.prepared is None and state.status is PrepStatus.PREPARED:
             check_unchanged(state, layer)
             self.bind_prepared(layer)  # a copy of prepared experts
