@@ -50,6 +50,7 @@ __all__ = [
     "WeightLayout",
     "check_global_scales",
     "finish_started_step",
+    "reorder_w13_halves",
     "replace_parameter",
     "reset_load_layout",
     "restore_load_layout",
@@ -84,6 +85,18 @@ def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
     param = getattr(layer, name)
     if value is not param:
         param.data = value
+
+
+def reorder_w13_halves(*tensors: torch.Tensor, **kwargs) -> None:
+    """``reorder_w1w3_to_w3w1(*tensors, **kwargs)`` (``flashinfer_fp4_moe``):
+    swaps the two row halves of w13 in place, in bounded memory."""
+    # Imported when a step runs: flashinfer_fp4_moe imports the NVFP4
+    # oracle, which imports the experts whose steps call this.
+    from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+        reorder_w1w3_to_w3w1,
+    )
+
+    reorder_w1w3_to_w3w1(*tensors, **kwargs)
 
 
 def check_global_scales(

@@ -44,15 +44,13 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
+    reorder_w13_halves,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     moe_prep_threads,
-)
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
     pack_w4a16_blockscale_,
@@ -141,7 +139,7 @@ class B12xW4A16Weights:
                 return
             # [w3; w1] -> [w1; w3] by the half swap; the loader then writes
             # w1 first, and the [E, 2] global scales follow their rows.
-            reorder_w1w3_to_w3w1(
+            reorder_w13_halves(
                 layer.w13_weight,
                 layer.w13_weight_scale,
                 dim=-2,

@@ -51,6 +51,7 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
     finish_started_step,
+    reorder_w13_halves,
     replace_parameter,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
@@ -67,9 +68,6 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ALLOCATION_GRANULE,
     allocation_bytes,
     moe_prep_threads,
-)
-from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-    reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     w13_rows,
@@ -179,7 +177,7 @@ class B12xW4A4Weights:
         def reorder() -> None:
             # [w1; w3] -> [w3; w1] on the weight and the linear scales.
             if moe.is_act_and_mul and not getattr(layer, "w13_loaded_as_w3w1", False):
-                reorder_w1w3_to_w3w1(
+                reorder_w13_halves(
                     layer.w13_weight,
                     layer.w13_weight_scale,
                     dim=-2,
@@ -258,7 +256,7 @@ class B12xW4A4Weights:
             ):
                 # Back to the [w1; w3] the layer was loaded with: a loader
                 # copying checkpoint-layout tensors finds them where it wrote.
-                reorder_w1w3_to_w3w1(
+                reorder_w13_halves(
                     layer.w13_weight,
                     layer.w13_weight_scale,
                     dim=-2,
