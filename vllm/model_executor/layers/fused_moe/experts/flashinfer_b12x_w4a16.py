@@ -48,9 +48,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
-from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
-    moe_prep_threads,
-)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
@@ -244,7 +241,7 @@ class B12xW4A16Weights:
             cap = self.max_transient_bytes
             v = state.values["w4a16"]
             device = layer.w13_weight.device  # no torch call before a record
-            with torch.no_grad(), moe_prep_threads(device):
+            with torch.no_grad():
                 for prefix in ("w13", "w2"):
                     step = f"unpack.{prefix}"
                     if step in state.done:

@@ -66,7 +66,6 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ALLOCATION_GRANULE,
     allocation_bytes,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
@@ -235,7 +234,7 @@ class B12xW4A4Weights:
             state.begin(PrepStatus.RESTORING)
             state.undo = undo
         cap = self.max_transient_bytes
-        with torch.no_grad(), moe_prep_threads(device):
+        with torch.no_grad():
             for prefix in ("w13", "w2"):
                 name = f"{prefix}_weight_scale"
                 step = f"unswizzle.{name}"
