@@ -40,9 +40,9 @@ def env_with_choices(
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
-    # 1: a prepared MoE layer also checksums its parameters' bytes and checks
-    # them at every forward and re-preparation (catches param.data.copy_,
-    # which the version counter misses). A debug mode: it reads every weight.
+    # 1: a prepared MoE layer also checksums its parameters' bytes, and its
+    # checks compare them (catches param.data.copy_, which the version
+    # counter misses). A debug mode: each check reads every weight.
     "VLLM_MOE_PREP_VERIFY": lambda: bool(int(os.getenv("VLLM_MOE_PREP_VERIFY", "0"))),
     # How FlashInfer's b12x W4A4 MoE gets the weights' global scales:
     # "alpha" (the kernel's per-expert alphas; block scales as loaded) or

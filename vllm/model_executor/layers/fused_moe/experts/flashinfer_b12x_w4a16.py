@@ -65,6 +65,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     w4a16_global_scale,
     w4a16_scale_exponent,
 )
+from vllm.utils.platform_utils import num_compute_units
 
 __all__ = ["B12xW4A16Weights", "W4A16PackedWeights", "w4a16_launch_kwargs"]
 
@@ -310,7 +311,7 @@ def flashinfer_packed_weights(pw: W4A16PackedWeights, device: torch.device):
         W4A16PackedWeights as FlashInferPacked,
     )
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_compute_units(device.index)
     return FlashInferPacked(
         w13=pw.w13,
         w13_scale=pw.w13_scale,

@@ -51,7 +51,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
     finish_started_step,
-    replace_parameter,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
@@ -76,6 +75,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import 
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
+from vllm.model_executor.utils import replace_parameter
 
 __all__ = ["B12xW4A4Tensors", "B12xW4A4Weights", "fold_to"]
 

@@ -35,7 +35,7 @@ _DEFAULT_TILE_BYTES = 2 << 20
 
 #: The CUDA caching allocator's block rounding. The bounded steps plan their
 #: caps in rounded sizes on every device, so a cap that holds on a CPU holds
-#: as ``torch.cuda.memory_allocated`` counts too.
+#: as ``torch.accelerator.memory_allocated`` counts too.
 ALLOCATION_GRANULE = 512
 
 

@@ -430,19 +430,19 @@ def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
     return w13, w13_scale, w13_scale_2, a13_scale, w2, w2_scale, w2_scale_2, a2_scale
 
 
-# -- The rest of vLLM's module, which this tree does not carry: the names the
-# definitions above call, refusing here. (Not part of the branch: the fork
-# keeps vLLM's own.)
+# -- The rest of vLLM's module (its TRT-LLM and CuteDSL paths), which the
+# NVFP4 MoE preparation does not use: the names the definitions above call,
+# refusing here. (Not part of the branch: the fork keeps vLLM's own.)
 
 
 def align_fp4_moe_hidden_dim_for_fi(w13, w13_scale, w2, w2_scale, min_alignment=256):
-    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not available here")
 
 
 def align_fp4_moe_weights_for_fi(
     w13, w13_scale, w2, w2_scale, is_act_and_mul, min_alignment=16
 ):
-    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not available here")
 
 
 def prepare_static_weights_for_trtllm_fp4_moe(
@@ -455,8 +455,8 @@ def prepare_static_weights_for_trtllm_fp4_moe(
     num_experts,
     is_gated_activation,
 ):
-    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not available here")
 
 
 def nvfp4_swizzled_scale_to_cutedsl_mma_view(scale):
-    raise NotImplementedError("FlashInfer CuteDSL NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer CuteDSL NVFP4 MoE is not available here")
