@@ -6,9 +6,9 @@ processes it starts.
 The tests are many small tensor operations, and every parallel operation
 waits for its slowest thread: when another process holds a core, that wait
 (a scheduler time slice) dwarfs the work, as the bounded preparation found
-(``moe_prep_threads``, which pins the preparation itself to one thread
-anyway). With two CPU-bound processes beside them on a 2-core machine, the
-interrupted-preparation and interrupted-reload cases of
+(the commands that prepare weights run it on one thread:
+``vllm.entrypoints.process_policy``). With two CPU-bound processes beside
+them on a 2-core machine, the interrupted-preparation and interrupted-reload cases of
 ``tests/kernels/moe/test_nvfp4_moe_prep_state.py`` took 248 s on torch's two
 threads and 48 s on one (2026-12-01). No result depends on the thread
 count; tests about thread settings set their own.

@@ -1,15 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Environment variables this tree reads, read when accessed (vLLM's idiom:
-``import vllm.envs as envs; envs.VLLM_MOE_PREP_CPU_THREADS``)."""
+"""vLLM's environment variables, read when accessed
+(``import vllm.envs as envs; envs.VLLM_MOE_PREP_VERIFY``)."""
 
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    VLLM_MOE_PREP_CPU_THREADS: int = 1
-    VLLM_MOE_PREP_MAX_TRANSIENT_BYTES: int = 64 << 20
     VLLM_MOE_PREP_VERIFY: bool = False
     VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE: str = "alpha"
 
@@ -42,22 +40,9 @@ def env_with_choices(
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
-    # Intra-op threads of the bounded NVFP4 MoE weight preparation on CPU
-    # (0: torch's current setting). One by default: the chunked steps issue
-    # many short operations, and each parallel one waits for its slowest
-    # thread; when another process shares the cores (tensor-parallel workers
-    # preparing at the same moment) that wait dominated.
-    "VLLM_MOE_PREP_CPU_THREADS": lambda: int(
-        os.getenv("VLLM_MOE_PREP_CPU_THREADS", "1")
-    ),
-    # The most bytes each step of the NVFP4 MoE weight preparation allocates
-    # beyond the weights (the b12x experts' max_transient_bytes).
-    "VLLM_MOE_PREP_MAX_TRANSIENT_BYTES": lambda: int(
-        os.getenv("VLLM_MOE_PREP_MAX_TRANSIENT_BYTES", str(64 << 20))
-    ),
-    # 1: a prepared MoE layer also checksums its parameters' bytes and checks
-    # them at every forward and re-preparation (catches param.data.copy_,
-    # which the version counter misses). A debug mode: it reads every weight.
+    # 1: a prepared MoE layer also checksums its parameters' bytes, and its
+    # checks compare them (catches param.data.copy_, which the version
+    # counter misses). A debug mode: each check reads every weight.
     "VLLM_MOE_PREP_VERIFY": lambda: bool(int(os.getenv("VLLM_MOE_PREP_VERIFY", "0"))),
     # How FlashInfer's b12x W4A4 MoE gets the weights' global scales:
     # "alpha" (the kernel's per-expert alphas; block scales as loaded) or

@@ -71,6 +71,7 @@ from vllm.benchmarks.moe_weight_prep.report import format_speedup
 from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
 from vllm.benchmarks.moe_weight_prep.w4a4_layers import check_equal
+from vllm.entrypoints.process_policy import PREP_CPU_THREADS, preparing_weights
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
@@ -80,7 +81,6 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzled_blockscale_shape,
@@ -95,6 +95,8 @@ from vllm.utils.argparse_utils import (
 MIB = 1 << 20
 STEPS = ["validate", "fold", "reorder", "swizzle", "total"]
 MODES = ["alpha", "fold"]
+#: Intra-op threads of the bounded steps on CPU (``--prep-threads``).
+PREP = {"threads": PREP_CPU_THREADS}
 
 
 def _step_bytes(tensors: dict, gated: bool) -> dict[str, dict[str, int]]:
@@ -224,7 +226,7 @@ def count_step_ops(
     steps = layer.quant_method.preparation_steps(layer)
     tiling = cuda_tiling() if tile == "cuda" else contextlib.nullcontext()
     out: dict[str, dict[str, int]] = {}
-    with tiling, moe_prep_threads(torch.device("cpu")):
+    with tiling, preparing_weights(torch.device("cpu"), PREP["threads"]):
         for name, fn in steps:
             with DeviceOpCounter() as counter:
                 fn()
@@ -372,7 +374,7 @@ def _time_steps(make_layer, repeats: int, names) -> dict[str, list[float]]:
         layer = make_layer()
         steps = layer.quant_method.preparation_steps(layer)
         # As process_weights_after_loading runs them: one thread setting.
-        with moe_prep_threads(device):
+        with preparing_weights(device, PREP["threads"]):
             total = 0.0
             for name, fn in steps:
                 start = time.perf_counter()
@@ -489,7 +491,7 @@ def measure_alternatives(tensors: dict, repeats: int) -> dict[str, float]:
         times, out = [], None
         for _ in range(repeats):
             calls = make()  # fresh inputs, not timed
-            with moe_prep_threads("cpu"):
+            with preparing_weights("cpu", PREP["threads"]):
                 start = time.perf_counter()
                 out = [call() for call in calls]
                 times.append(time.perf_counter() - start)
@@ -717,8 +719,8 @@ def main() -> int:
         "--prep-threads",
         type=non_negative_int,
         default=None,
-        help="threads of the bounded steps on CPU, i.e. VLLM_MOE_PREP_CPU_THREADS "
-        "(default: its value, 1 when unset; 0: the run's torch setting)",
+        help="threads of the bounded steps on CPU (default "
+        f"{PREP_CPU_THREADS}, the commands' setting; 0: the run's torch setting)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -761,7 +763,7 @@ def main() -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.prep_threads is not None:
-        os.environ["VLLM_MOE_PREP_CPU_THREADS"] = str(args.prep_threads)
+        PREP["threads"] = args.prep_threads
     preset = get_preset(args.model)
     tensors = synthetic_layer_tensors(preset, 1, torch.device("cpu"), args.seed)
     gpu = {
@@ -790,7 +792,7 @@ def main() -> int:
         for busy in sorted({0, args.busy_cores}):
             with (
                 busy_cores(busy, args.busy_threads),
-                moe_prep_threads(torch.device("cpu")),
+                preparing_weights(torch.device("cpu"), PREP["threads"]),
             ):
                 w4a16[str(busy)] = measure_w4a16(
                     preset, tensors, args.repeats, w4a16_floors
@@ -817,11 +819,11 @@ def main() -> int:
                 )
         return 0
     _check(preset, tensors)
-    prep_threads = os.environ.get("VLLM_MOE_PREP_CPU_THREADS", "1 (default)")
+    prep_threads = PREP["threads"] or f"torch's {torch.get_num_threads()}"
     header = (
         f"{preset.name}, one MoE layer on CPU ({os.cpu_count()} cores), torch "
         f"{torch.__version__} with {torch.get_num_threads()} intra-op threads, "
-        f"bounded steps on VLLM_MOE_PREP_CPU_THREADS={prep_threads}; medians of "
+        f"bounded steps on {prep_threads} thread(s); medians of "
         f"{args.repeats}; results checked byte for byte against legacy first"
     )
     print(header)

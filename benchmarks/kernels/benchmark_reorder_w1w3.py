@@ -35,11 +35,11 @@ from vllm.benchmarks.moe_weight_prep.baselines import (
 from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
 from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_w13
+from vllm.entrypoints.process_policy import preparing_weights
 from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
@@ -70,7 +70,7 @@ def xor_swap_reorder(
     passes per chunk on int64 words (each tensor's halves must be whole
     words). A chunk interrupted between its passes holds neither layout.
     Runs on the bounded steps' thread setting, like ``reorder_w1w3_to_w3w1``."""
-    with moe_prep_threads(weight.device):
+    with preparing_weights(weight.device):
         _xor_swap(weight, scale, chunk_bytes)
 
 

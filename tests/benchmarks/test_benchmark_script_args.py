@@ -132,11 +132,6 @@ def test_good_counts_reach_the_run(script, capsys, monkeypatch):
         pass
     else:
         argv += ["--prep-threads", "0", "--busy-threads", "1"]
-    # The steps script sets VLLM_MOE_PREP_CPU_THREADS from --prep-threads:
-    # put it back afterwards (setenv records its absence, which delenv of an
-    # absent variable does not, so the undo removes what the script set).
-    monkeypatch.setenv("VLLM_MOE_PREP_CPU_THREADS", "1")
-    monkeypatch.delenv("VLLM_MOE_PREP_CPU_THREADS")
     module = _load(script)
     for name in ENTRY_POINTS[script]:
         monkeypatch.setattr(module, name, _never)

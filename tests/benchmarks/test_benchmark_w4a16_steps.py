@@ -111,13 +111,13 @@ def test_busy_processes_run_during_the_busy_measurement_on_one_thread(
         active["busy"] = None
 
     @contextlib.contextmanager
-    def moe_prep_threads(device):
+    def preparing_weights(device, threads):
         active["prep_threads"] = True
         yield
         active["prep_threads"] = False
 
     def measure(preset, tensors, repeats, floors=None):
-        assert active["prep_threads"], "W4A16 timed outside moe_prep_threads"
+        assert active["prep_threads"], "W4A16 timed outside preparing_weights"
         seconds = {0: 0.5, 1: 0.75}[active["busy"]]
         return {
             s: {"time_s": seconds, "bytes": 1, "memcpy_s": 0.1}
@@ -125,7 +125,7 @@ def test_busy_processes_run_during_the_busy_measurement_on_one_thread(
         }
 
     monkeypatch.setattr(bench, "busy_cores", busy_cores)
-    monkeypatch.setattr(bench, "moe_prep_threads", moe_prep_threads)
+    monkeypatch.setattr(bench, "preparing_weights", preparing_weights)
     monkeypatch.setattr(bench, "measure_w4a16", measure)
     out = _run(bench, monkeypatch, capsys, "--w4a16", "only", "--busy-cores", "1")
     assert entered == [0, 1]

@@ -282,11 +282,7 @@ def test_experts_quantized_together_are_each_expert_quantized_alone(
             assert torch.equal(got, scale.view(torch.uint8))
 
 
-def test_the_writer_quantizes_on_one_thread_and_restores_the_setting(
-    tmp_path, monkeypatch
-):
-    # Element-wise work on small tensors: with the other core of a 2-core
-    # machine busy, one expert took 559 ms on two threads and 9.5 ms on one.
+def _threads_seen_by_quantize(monkeypatch, run) -> list[int]:
     seen = []
     real = writer.quantize_nvfp4
 
@@ -298,8 +294,26 @@ def test_the_writer_quantizes_on_one_thread_and_restores_the_setting(
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        _write(tmp_path / "ckpt")
-        assert seen and set(seen) == {1}
+        run()
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(previous)
+    return seen
+
+
+def test_the_command_quantizes_on_one_thread_and_restores_the_setting(
+    tmp_path, monkeypatch
+):
+    # Element-wise work on small tensors: with the other core of a 2-core
+    # machine busy, one expert took 559 ms on two threads and 9.5 ms on one.
+    # The thread count is the command's policy (it owns the process).
+    argv = [str(tmp_path / "ckpt"), "--num-layers", "1", "--num-experts", "2"]
+    argv += ["--hidden-size", "64", "--intermediate-size", "32", "--top-k", "1"]
+    seen = _threads_seen_by_quantize(monkeypatch, lambda: writer.main(argv))
+    assert seen and set(seen) == {1}
+
+
+def test_the_library_writer_leaves_the_thread_setting_alone(tmp_path, monkeypatch):
+    # Control: called as a library, the writer runs on the caller's setting.
+    seen = _threads_seen_by_quantize(monkeypatch, lambda: _write(tmp_path / "ckpt"))
+    assert seen and set(seen) == {2}

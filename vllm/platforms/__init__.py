@@ -22,7 +22,7 @@ class DeviceCapability(NamedTuple):
 
 
 class Platform:
-    """The part of vLLM's platform interface this tree uses."""
+    """The part of vLLM's platform interface the NVFP4 MoE code uses."""
 
     def is_cuda(self) -> bool:
         return torch.cuda.is_available() and torch.version.cuda is not None
@@ -47,6 +47,10 @@ class Platform:
         if not torch.cuda.is_available():
             return "cpu"
         return torch.cuda.get_device_name(device_id)
+
+    def num_compute_units(self, device_id: int | None = 0) -> int:
+        """Streaming multiprocessors of CUDA device ``device_id``."""
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
 
     @property
     def device_name(self) -> str:

@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 #: The CUDA caching allocator rounds every block up to a multiple of 512
-#: bytes (``kMinBlockSize``); ``torch.cuda.memory_allocated`` counts the
+#: bytes (``kMinBlockSize``); ``torch.accelerator.memory_allocated`` counts the
 #: rounded sizes. ``measure_peak_memory(..., round_to=...)`` simulates it.
 CUDA_ALLOCATION_ROUNDING = 512
 
@@ -55,8 +55,8 @@ def _cpu_allocation_events(
     prof: torch.profiler.profile,
 ) -> list[tuple[int, int, int]]:
     """(time_ns, signed bytes, pointer) of every CPU allocator event, in time
-    order, from ``experimental_event_tree`` (a private torch API;
-    tests/utils/test_mem_utils.py pins its behaviour)."""
+    order, from ``experimental_event_tree`` (a private torch API, whose
+    behaviour a test pins)."""
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int, int]] = []
@@ -146,13 +146,14 @@ def measure_peak_memory(
     device = torch.device(device)
     result = PeakMemory(device=device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start = torch.cuda.memory_allocated(device)
+        acc = torch.accelerator
+        acc.synchronize(device)
+        acc.reset_peak_memory_stats(device)
+        start = acc.memory_allocated(device)
         yield result
-        torch.cuda.synchronize(device)
-        result.peak_bytes = max(0, torch.cuda.max_memory_allocated(device) - start)
-        result.net_bytes = torch.cuda.memory_allocated(device) - start
+        acc.synchronize(device)
+        result.peak_bytes = max(0, acc.max_memory_allocated(device) - start)
+        result.net_bytes = acc.memory_allocated(device) - start
         return
     if device.type != "cpu":
         raise ValueError(

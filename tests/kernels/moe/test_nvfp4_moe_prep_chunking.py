@@ -24,9 +24,6 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
 )
-from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
-    moe_prep_threads,
-)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
     swizzled_blockscale_shape,
@@ -231,38 +228,15 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("env, inside", [(None, {1}), ("0", {2}), ("2", {2})])
-def test_preparation_runs_with_the_configured_threads(
-    monkeypatch, two_threads, env, inside
-):
-    if env is None:
-        monkeypatch.delenv("VLLM_MOE_PREP_CPU_THREADS", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_MOE_PREP_CPU_THREADS", env)
+def test_preparation_leaves_the_thread_setting_alone(two_threads):
+    # The intra-op thread count is the process's: a command that prepares
+    # weights sets it (vllm.entrypoints.process_policy), the layer does not.
     layer = make_nvfp4_layer(4, 2, 256, 128, True, BACKEND)
     load_nvfp4_experts(
         layer, random_layer_tensors(4, 256, 128, True, seed=1, shared_w13_scale=True)
     )
-    # The experts' bounded steps (the oracle's conversion before them moves
-    # no weight byte for b12x and is not theirs to set up).
     experts = layer.quant_method.experts_for(layer)
     with RecordThreads() as rec:
         experts.process_weights_after_loading(layer)
-    assert rec.threads == inside
-    assert torch.get_num_threads() == 2  # restored
-
-
-def test_thread_setting_is_restored_after_an_exception(two_threads):
-    with pytest.raises(KeyError), moe_prep_threads("cpu"):
-        assert torch.get_num_threads() == 1
-        raise KeyError
+    assert rec.threads == {2}
     assert torch.get_num_threads() == 2
-    with moe_prep_threads("meta"):  # not a CPU: untouched
-        assert torch.get_num_threads() == 2
-
-
-def test_bad_thread_setting_names_the_variable(monkeypatch):
-    monkeypatch.setenv("VLLM_MOE_PREP_CPU_THREADS", "two")
-    bad = pytest.raises(ValueError, match="VLLM_MOE_PREP_CPU_THREADS.*'two'")
-    with bad, moe_prep_threads("cpu"):
-        pass

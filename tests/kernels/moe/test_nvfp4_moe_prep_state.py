@@ -3,9 +3,7 @@
 """The in-place preparation owns its state: re-run, reload, interruption and
 bad scales never leave a silently wrong layer."""
 
-import os
 import re
-import signal
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from tests.kernels.moe.utils import (
     split_cat_halves,
 )
 from tests.kernels.utils import bytes_of
-from tests.sigint import sigint_raises_keyboard_interrupt
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
@@ -371,75 +368,6 @@ def test_interrupted_swap_loses_no_byte():
         reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=256, progress=progress)
         assert torch.equal(wk, split_cat_halves(w, -2)), k
         assert torch.equal(sk, split_cat_halves(s, -2)), k
-
-
-class SigintAtCopy(TorchFunctionMode):
-    """Send this process a real SIGINT right after the ``k``-th ``copy_``."""
-
-    def __init__(self, k: int):
-        super().__init__()
-        self.k, self.calls = k, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls += getattr(func, "__name__", "") == "copy_"
-        if self.calls == self.k:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
-
-def test_real_sigint_lands_between_chunks():
-    # Ctrl-C is held back until the chunk in flight is complete and counted:
-    # the retry then finishes the swap exactly, wherever the signal came.
-    gen = torch.Generator().manual_seed(10)
-    w = torch.randint(0, 256, (4, 8, 64), dtype=torch.uint8, generator=gen)
-    s = torch.randint(0, 256, (4, 8, 8), dtype=torch.uint8, generator=gen)
-    # 8 chunks of w (rows of 256 bytes in 128-byte pieces) + 1 of s, 3 copies
-    # each: the signal arrives after every copy of every chunk.
-    # Python's own SIGINT handler, as in a terminal: a background pytest
-    # (nohup ... &) inherits SIGINT ignored, and the signal would do nothing.
-    with sigint_raises_keyboard_interrupt():
-        for k in range(1, 27):
-            wk, sk, progress = w.clone(), s.clone(), ChunkProgress()
-            with pytest.raises(KeyboardInterrupt), SigintAtCopy(k):
-                reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
-            assert progress.done == (k + 2) // 3, k  # the chunk in flight finished
-            reorder_w1w3_to_w3w1(wk, sk, max_transient_bytes=128, progress=progress)
-            assert torch.equal(wk, split_cat_halves(w, -2)), k
-            assert torch.equal(sk, split_cat_halves(s, -2)), k
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-class SigintThenRaise(TorchFunctionMode):
-    """A real SIGINT after the first ``copy_``, then ``Interrupt`` instead of
-    the second: both arrive inside the same chunk."""
-
-    def __init__(self):
-        super().__init__()
-        self.copies = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") == "copy_":
-            self.copies += 1
-            if self.copies == 2:
-                raise Interrupt("second copy")
-        out = func(*args, **(kwargs or {}))
-        if self.copies == 1 and getattr(func, "__name__", "") == "copy_":
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
-
-def test_held_back_sigint_is_not_lost_when_another_exception_leaves():
-    w = torch.arange(4 * 8 * 64, dtype=torch.int64).to(torch.uint8).view(4, 8, 64)
-    s = torch.zeros(4, 8, 8, dtype=torch.uint8)
-    wk = w.clone()
-    # Python's own SIGINT handler, whatever pytest inherited (see above).
-    with sigint_raises_keyboard_interrupt():
-        with pytest.raises(KeyboardInterrupt) as info, SigintThenRaise():
-            reorder_w1w3_to_w3w1(wk, s.clone(), max_transient_bytes=128)
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert isinstance(info.value.__context__, Interrupt)
-    assert torch.equal(wk, w)  # the chunk in flight was left untouched
 
 
 # --- 5. the swizzle writes only the tensor's own bytes ---------------------------

@@ -48,10 +48,10 @@ from vllm.benchmarks.moe_weight_prep.precision import w4a16_precision
 from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
 from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.entrypoints.process_policy import preparing_weights
 from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
@@ -116,7 +116,7 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
         layer = make_layer(preset, RankShard(), device, tensors, cap, quant="w4a16")
 
         def prepare():
-            with moe_prep_threads(device):
+            with preparing_weights(device):
                 layer.quant_method.process_weights_after_loading(layer)
 
         def result():

@@ -34,10 +34,10 @@ from vllm.benchmarks.moe_weight_prep.report import (
 )
 from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.entrypoints.process_policy import preparing_weights
 from vllm.model_executor.layers.fused_moe.weight_prep_state import wait_for_step
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
@@ -143,7 +143,7 @@ def _bounded_run(
         layer = make_layer(preset, shard, device, tensors, cap, mode)
     steps = layer.quant_method.preparation_steps(layer)
     # One thread setting around all steps, as process_weights_after_loading.
-    with moe_prep_threads(device):
+    with preparing_weights(device):
         records = _run_steps(
             steps, lambda: _resident_bytes(layer.parameters()), device, metered
         )

@@ -19,12 +19,10 @@ half-written checkpoint; a non-empty ``OUT_DIR`` is refused unless
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -109,20 +107,6 @@ def _experts_tensors(
 #: (2 MiB of float32 temporaries, several alive at once; a whole layer at
 #: once spills the cache).
 _WEIGHTS_PER_CALL = 1 << 19
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch on one intra-op thread while the block runs, the previous
-    setting after: the quantization is many small element-wise operations,
-    each of which would wait for its slowest thread (as in
-    ``moe_prep_threads``)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 _NVFP4_SCHEME = {
@@ -291,7 +275,7 @@ def write_nvfp4_moe_checkpoint(
             f"quant_mode must be {W4A4!r} or {W4A16!r}, or a dict giving one of "
             f"them to each of the layers {sorted(layers)}; got {quant_mode!r}"
         )
-    with whole_directory(out_dir, overwrite) as tmp, _one_thread():
+    with whole_directory(out_dir, overwrite) as tmp:
         _write(
             tmp,
             layers,
@@ -465,6 +449,8 @@ def _example_config(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from vllm.entrypoints.process_policy import PREP_CPU_THREADS, intra_op_threads
+
     parser = CommandLineParser(
         prog="python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer",
         description="Write a small NVFP4 MoE checkpoint with random weights "
@@ -557,8 +543,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         modes = args.quant
     try:
-        # The draw on one thread too (the same numbers on any number).
-        with _one_thread():
+        # One intra-op thread: many small element-wise operations, each of
+        # which would wait for its slowest thread; the draw too (the same
+        # numbers on any number of threads).
+        with intra_op_threads(PREP_CPU_THREADS):
             layers = {
                 i: random_bf16_experts(
                     args.num_experts,

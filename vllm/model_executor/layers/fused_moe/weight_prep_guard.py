@@ -37,12 +37,12 @@ from collections.abc import Callable
 
 import torch
 
+import vllm.envs as envs
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
     PrepStatus,
     get_prep_state,
 )
-from vllm.model_executor.layers.quantization.utils.bounded_chunks import env_int
 
 __all__ = [
     "after_copy",
@@ -101,7 +101,7 @@ def record_prepared(state: MoEWeightPrepState, layer: torch.nn.Module) -> None:
     state.fingerprints = {n: _fingerprint(p) for n, p in params.items()}
     state.checksums = (
         {n: weight_checksum(p) for n, p in params.items()}
-        if env_int("VLLM_MOE_PREP_VERIFY", 0)
+        if envs.VLLM_MOE_PREP_VERIFY
         else {}
     )
     state.ready = True
@@ -128,7 +128,7 @@ def changed_parameters(
             out[n] = "replaced (param.data = ..., .to(), ...)"
         elif now[6] != fp[6]:
             out[n] = "modified in place"
-    if env_int("VLLM_MOE_PREP_VERIFY", 0):
+    if envs.VLLM_MOE_PREP_VERIFY:
         for n, want in state.checksums.items():
             if n not in out and n in params and weight_checksum(params[n]) != want:
                 out[n] = "modified in place (bytes differ: param.data.copy_?)"

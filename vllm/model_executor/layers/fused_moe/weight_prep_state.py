@@ -38,10 +38,12 @@ __all__ = [
 
 
 def wait_for_step(device: torch.device) -> None:
-    """Synchronize ``device`` if it is CUDA (else a no-op): a step recorded
-    done has finished, and its asynchronous errors are raised by it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Synchronize ``device`` if it is the accelerator's (else a no-op): a
+    step recorded done has finished, and its asynchronous errors are raised
+    by it."""
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is not None and device.type == accelerator.type:
+        torch.accelerator.synchronize(device)
 
 
 class PrepStatus(enum.Enum):

@@ -42,6 +42,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import 
     nvfp4_moe_param_specs,
     reload_slots,
 )
+from vllm.model_executor.utils import replace_parameter
 
 logger = init_logger(__name__)
 
@@ -51,7 +52,6 @@ __all__ = [
     "check_global_scales",
     "finish_started_step",
     "reorder_w13_halves",
-    "replace_parameter",
     "reset_load_layout",
     "restore_load_layout",
     "run_preparation_step",
@@ -77,16 +77,6 @@ class WeightLayout(Protocol):
 
 
 # -- helpers the layouts' steps share ------------------------------------------
-def replace_parameter(layer: torch.nn.Module, name: str, value: torch.Tensor):
-    """Make ``value`` (e.g. a padded view of the same storage) the data of the
-    parameter ``name``. The Parameter object stays the same, so references
-    taken before (a loader's ``dict(named_parameters())``, a quant config's
-    scale) stay valid."""
-    param = getattr(layer, name)
-    if value is not param:
-        param.data = value
-
-
 def reorder_w13_halves(*tensors: torch.Tensor, **kwargs) -> None:
     """``reorder_w1w3_to_w3w1(*tensors, **kwargs)`` (``flashinfer_fp4_moe``):
     swaps the two row halves of w13 in place, in bounded memory."""

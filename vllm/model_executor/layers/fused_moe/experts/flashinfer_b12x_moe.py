@@ -56,8 +56,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     check_cap,
-    env_int,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import (
     QuantKey,
@@ -101,7 +99,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
 
     ``process_weights_after_loading`` rewrites the layer's parameters into
     the kernel's layout in their own storage, every step within
-    ``max_transient_bytes`` (``VLLM_MOE_PREP_MAX_TRANSIENT_BYTES``), and
+    ``max_transient_bytes`` (an argument, 64 MiB by default), and
     records each step in ``layer.weight_prep_state``: called again it
     changes nothing, after an exception it resumes, and
     :meth:`restore_load_layout` takes the layer back to the layout its
@@ -144,16 +142,10 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
                 f"weights {quant_config.weight_quant_dtype!r}"
             )
         if max_transient_bytes is None:
-            max_transient_bytes = env_int(
-                "VLLM_MOE_PREP_MAX_TRANSIENT_BYTES",
-                DEFAULT_MAX_TRANSIENT_BYTES,
-                minimum=1,
-            )
+            max_transient_bytes = DEFAULT_MAX_TRANSIENT_BYTES
         self.max_transient_bytes = check_cap(max_transient_bytes)
         if global_scale_mode is None:
-            global_scale_mode = getattr(
-                envs, "VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE", "alpha"
-            )
+            global_scale_mode = envs.VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE
         if global_scale_mode not in GLOBAL_SCALE_MODES:
             raise ValueError(
                 f"global_scale_mode must be one of {GLOBAL_SCALE_MODES}, got "
@@ -322,9 +314,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         # the version-counter guard cannot see) records writes into a layer
         # that is no longer in the load layout.
         guard_weight_loaders(layer)
-        # One thread setting for the whole preparation (moe_prep_threads):
-        # switching it per step would cost a thread-team restart each time.
-        with state.lock, moe_prep_threads(layer.w13_weight.device):
+        with state.lock:
             run(
                 layer,
                 state,

@@ -49,9 +49,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
-from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
-    moe_prep_threads,
-)
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
     pack_w4a16_blockscale_,
     repack_w4a16_weight_,
@@ -66,6 +63,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     w4a16_global_scale,
     w4a16_scale_exponent,
 )
+from vllm.utils.platform_utils import num_compute_units
 
 __all__ = ["B12xW4A16Weights", "W4A16PackedWeights", "w4a16_launch_kwargs"]
 
@@ -242,7 +240,7 @@ class B12xW4A16Weights:
             cap = self.max_transient_bytes
             v = state.values["w4a16"]
             device = layer.w13_weight.device  # no torch call before a record
-            with torch.no_grad(), moe_prep_threads(device):
+            with torch.no_grad():
                 for prefix in ("w13", "w2"):
                     step = f"unpack.{prefix}"
                     if step in state.done:
@@ -311,7 +309,7 @@ def flashinfer_packed_weights(pw: W4A16PackedWeights, device: torch.device):
         W4A16PackedWeights as FlashInferPacked,
     )
 
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = num_compute_units(device.index)
     return FlashInferPacked(
         w13=pw.w13,
         w13_scale=pw.w13_scale,

@@ -52,7 +52,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     check_global_scales,
     finish_started_step,
     reorder_w13_halves,
-    replace_parameter,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
@@ -67,7 +66,6 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ALLOCATION_GRANULE,
     allocation_bytes,
-    moe_prep_threads,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     w13_rows,
@@ -75,6 +73,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import 
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     blockscale_mma_layout_view,
 )
+from vllm.model_executor.utils import replace_parameter
 
 __all__ = ["B12xW4A4Tensors", "B12xW4A4Weights", "fold_to"]
 
@@ -233,7 +232,7 @@ class B12xW4A4Weights:
             state.begin(PrepStatus.RESTORING)
             state.undo = undo
         cap = self.max_transient_bytes
-        with torch.no_grad(), moe_prep_threads(device):
+        with torch.no_grad():
             for prefix in ("w13", "w2"):
                 name = f"{prefix}_weight_scale"
                 step = f"unswizzle.{name}"

@@ -12,7 +12,6 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     check_cap,
     check_contiguous,
     largest_block_within,
-    moe_prep_threads,
     tile_bytes,
 )
 
@@ -59,8 +58,7 @@ def check_blockscale_values(
     # Fast path, one pass and no temporaries: as int8, valid scales are
     # 0..126 (0x00..0x7E) and -128 (0x80, -0.0); NaN is 127 or -1 and the
     # negatives are -127..-1. All in 0..126 is the common case.
-    with moe_prep_threads(scale.device):
-        lo, hi = torch.aminmax(flat.view(torch.int8))
+    lo, hi = torch.aminmax(flat.view(torch.int8))
     if int(lo) >= 0 and int(hi) <= 126:
         return
     del lo, hi

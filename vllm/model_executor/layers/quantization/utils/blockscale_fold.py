@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
@@ -140,7 +142,7 @@ def fold_global_scale_into_blockscale_(
         )
         index = torch.empty(nmax, dtype=torch.int32, device=scale.device)
 
-        def fold(idx: int) -> None:
+        def fold(idx: int) -> Callable[[], object]:
             first, k, start, n = chunks[idx]
             # The k tables: fp8(clamp(code * factor)) for all 256 codes.
             tf = table_f[:k]
@@ -154,7 +156,9 @@ def fold_global_scale_into_blockscale_(
             if k > 1:
                 ix.add_(offsets[:k].unsqueeze(1))
             # The chunk's only write: the looked-up bytes onto the source.
-            torch.index_select(table[: k * 256], 0, index[: k * n], out=src.view(k * n))
+            return lambda: torch.index_select(
+                table[: k * 256], 0, index[: k * n], out=src.view(k * n)
+            )
 
-        run_chunks(len(chunks), fold, progress, scale.device)
+        run_chunks(len(chunks), fold, progress)
     return scale

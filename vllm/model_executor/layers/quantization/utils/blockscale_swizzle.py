@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
@@ -173,7 +175,7 @@ def swizzle_blockscale_bounded(
         buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=scale.device)
         words = _word_aligned(dst, buf)
 
-        def move(idx: int) -> None:
+        def move(idx: int) -> Callable[[], object]:
             chunk = chunks[idx]
             i, k, g0, n = chunk
             lo, hi = plan.rows(chunk)
@@ -187,9 +189,9 @@ def swizzle_blockscale_bounded(
             perm, out = _swizzle_words(
                 pad, dst[first : first + groups], groups, cp, words
             )
-            out.copy_(perm)  # the chunk's only write
+            return lambda: out.copy_(perm)  # the chunk's only write
 
-        run_chunks(len(chunks), move, progress, scale.device)
+        run_chunks(len(chunks), move, progress)
         if in_place and not padded:
             return scale
         return dst.view(e, rp, cp).view(torch.float8_e4m3fn)
@@ -244,7 +246,7 @@ def unswizzle_blockscale_bounded_(
         buf = torch.empty(per * group_bytes, dtype=torch.uint8, device=swizzled.device)
         words = _word_aligned(src, buf)
 
-        def move(idx: int) -> None:
+        def move(idx: int) -> Callable[[], object]:
             chunk = plan.chunks[idx]
             i, k, g0, n = chunk
             lo, hi = plan.rows(chunk)
@@ -257,9 +259,9 @@ def unswizzle_blockscale_bounded_(
             # Read the whole chunk before writing any of its destination.
             perm.copy_(swz)
             block = lin.view(k, n * 128, cp)[:, : hi - lo, :cols]
-            dst[i : i + k, lo:hi].copy_(block)  # the chunk's only write
+            return lambda: dst[i : i + k, lo:hi].copy_(block)  # the only write
 
-        run_chunks(len(plan.chunks), move, progress, swizzled.device)
+        run_chunks(len(plan.chunks), move, progress)
     if (rp, cp) == (rows, cols):
         return swizzled
     return flat[: e * rows * cols].view(e, rows, cols).view(torch.float8_e4m3fn)

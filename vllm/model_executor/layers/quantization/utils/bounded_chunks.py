@@ -1,22 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Chunked, resumable, interrupt-safe execution of the bounded NVFP4 MoE steps."""
+"""Chunked, resumable execution of the bounded NVFP4 MoE steps."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from vllm import envs
-
 __all__ = [
-    "env_int",
     "ALLOCATION_GRANULE",
     "DEFAULT_MAX_TRANSIENT_BYTES",
     "ChunkProgress",
@@ -24,13 +17,13 @@ __all__ = [
     "check_cap",
     "check_contiguous",
     "largest_block_within",
-    "moe_prep_threads",
     "run_chunks",
     "tile_bytes",
     "unit_chunks",
 ]
 
-#: Default cap on the memory one preparation call may allocate (64 MiB).
+#: Default cap on the memory one preparation call may allocate beyond the
+#: weights (64 MiB; every bounded step takes ``max_transient_bytes``).
 DEFAULT_MAX_TRANSIENT_BYTES = 64 << 20
 
 # The reused bounce buffer, per device type: 2 MiB less 64 KiB on CPU (room
@@ -42,7 +35,7 @@ _DEFAULT_TILE_BYTES = 2 << 20
 
 #: The CUDA caching allocator's block rounding. The bounded steps plan their
 #: caps in rounded sizes on every device, so a cap that holds on a CPU holds
-#: as ``torch.cuda.memory_allocated`` counts too.
+#: as ``torch.accelerator.memory_allocated`` counts too.
 ALLOCATION_GRANULE = 512
 
 
@@ -107,11 +100,17 @@ def unit_chunks(units: int, unit_len: int, per: int) -> list[tuple[int, ...]]:
 
 # --- interruption safety ------------------------------------------------------
 #
-# A chunk reads its source into the buffer before its last operation writes
-# the destination (the swap undoes its first write if the second fails), and
-# SIGINT is held back until the chunk and its bookkeeping are complete: when
-# control leaves a step, every chunk is done and counted in its
-# ``ChunkProgress`` or untouched, and no byte exists only in the buffer.
+# A chunk reads its source into the buffer before its last write, which reads
+# only the buffer: a chunk function returns that write, and run_chunks runs
+# it. An exception raised by any operation of the chunk before the write
+# leaves the chunk untouched; one that leaves the write, before or after its
+# bytes landed (a KeyboardInterrupt is delivered when the torch call
+# returns), runs the write once more and counts the chunk, so a retry never
+# applies an in-place chunk twice. When control leaves a step, every chunk is
+# done and counted in its ``ChunkProgress`` or untouched, and no byte exists
+# only in the buffer. Signals are the process's to handle: a command that
+# wants Ctrl-C to land only between whole preparations holds SIGINT back
+# around them.
 
 
 @dataclass
@@ -126,97 +125,37 @@ class ChunkProgress:
 
     done: int = 0
     total: int | None = None
+    #: a chunk whose write failed twice (see :func:`run_chunks`)
+    torn: int | None = None
 
     @property
     def complete(self) -> bool:
         return self.total is not None and self.done >= self.total
 
 
-class _InterruptLatch:
-    """Holds SIGINT back while installed; ``release`` raises it afterwards."""
-
-    def __init__(self) -> None:
-        self.pending = False
-
-    def handler(self, signum, frame) -> None:
-        self.pending = True
-
-    def release(self) -> None:
-        if self.pending:
-            self.pending = False
-            raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _deferred_interrupts() -> Iterator[_InterruptLatch]:
-    latch = _InterruptLatch()
-    if threading.current_thread() is not threading.main_thread():
-        yield latch  # SIGINT is only ever delivered to the main thread
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None or previous in (signal.SIG_IGN,):
-        yield latch
-        return
-    signal.signal(signal.SIGINT, latch.handler)
-    try:
-        yield latch
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        # Even when another exception is leaving the step, a Ctrl-C held back
-        # is not lost: it is raised (with that exception as its context).
-        latch.release()
-
-
-@contextlib.contextmanager
-def moe_prep_threads(device: torch.device | str) -> Iterator[None]:
-    """Run the enclosed weight preparation with ``VLLM_MOE_PREP_CPU_THREADS``
-    intra-op threads when ``device`` is a CPU (1 by default: many short
-    operations on cache-sized chunks; 0 leaves torch's setting); elsewhere, or
-    when already set, a no-op. Process-wide while it lasts; the previous
-    setting is restored on exit.
-    """
-    n = env_int("VLLM_MOE_PREP_CPU_THREADS", default=1)
-    if torch.device(device).type != "cpu" or n == 0:
-        yield
-        return
-    previous = torch.get_num_threads()
-    if previous == n:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def env_int(name: str, default: int, minimum: int = 0) -> int:
-    """``vllm.envs.<name>`` as an int of at least ``minimum``, or ``default``
-    where the envs module does not define ``name``; ValueError naming the
-    variable and its text otherwise."""
-    try:
-        value = getattr(envs, name)
-    except AttributeError:
-        return default
-    except ValueError:
-        value = None
-    if value is None or int(value) < minimum:
-        raise ValueError(
-            f"{name} must be an integer >= {minimum}, got {os.getenv(name)!r}"
-        )
-    return int(value)
-
-
 def run_chunks(
     n: int,
-    do_chunk: Callable[[int], None],
+    do_chunk: Callable[[int], Callable[[], object] | None],
     progress: ChunkProgress | None,
-    device: torch.device | None = None,
 ) -> None:
     """Run ``do_chunk(0..n-1)`` in order, resuming after ``progress.done``,
-    under :func:`moe_prep_threads` for ``device``."""
+    and count each chunk there once it is complete.
+
+    ``do_chunk(idx)`` reads its chunk and returns the chunk's last write (a
+    callable that reads only the buffer, so running it again writes the same
+    bytes), or None when it did all of its writing itself; when it raises,
+    its chunk must be untouched. An exception leaving the returned write
+    runs it once more, counts the chunk and goes on (chained to a second
+    failure, which leaves ``progress.torn`` set: that chunk may be half
+    written, and a retry with the same ``progress`` raises ValueError).
+    """
     start = 0
     if progress is not None:
+        if progress.torn is not None:
+            raise ValueError(
+                f"progress records chunk {progress.torn} half-written by a "
+                "failed write: the tensor cannot be resumed; load it again"
+            )
         if progress.total is None:
             progress.total = n
         elif progress.total != n:
@@ -226,10 +165,26 @@ def run_chunks(
                 "resume)"
             )
         start = progress.done
-    threads = contextlib.nullcontext() if device is None else moe_prep_threads(device)
-    with threads, _deferred_interrupts() as latch:
-        for idx in range(start, n):
-            do_chunk(idx)
-            if progress is not None:
-                progress.done = idx + 1
-            latch.release()
+    for idx in range(start, n):
+        write = do_chunk(idx)
+        if write is not None:
+            try:
+                write()
+            except BaseException:
+                _finish_write(write, progress, idx)
+                raise
+        if progress is not None:
+            progress.done = idx + 1
+
+
+def _finish_write(
+    write: Callable[[], object], progress: ChunkProgress | None, idx: int
+) -> None:
+    try:
+        write()
+    except BaseException:
+        if progress is not None:
+            progress.torn = idx
+        raise
+    if progress is not None:
+        progress.done = idx + 1

@@ -11,8 +11,8 @@ in-place steps (drawn in ``fused_moe/experts/flashinfer_b12x_w4a4.py``)::
     swizzle   blockscale_swizzle.swizzle_blockscale_bounded     linear -> 128x4
 
 Each step is a sequence of chunks run by ``bounded_chunks.run_chunks``: it
-allocates at most ``max_transient_bytes``, resumes from a ``ChunkProgress``
-after an exception and holds SIGINT back to the end of the chunk in flight.
+allocates at most ``max_transient_bytes`` and resumes from a ``ChunkProgress``
+after an exception, which leaves the chunk in flight untouched.
 """
 
 from typing import TYPE_CHECKING
@@ -95,13 +95,17 @@ def _bounce_buffer_bytes(
 
 
 def _swap_chunk(a: torch.Tensor, b: torch.Tensor, tmp: torch.Tensor) -> None:
-    """Swap equal-shape ``a`` and ``b`` through ``tmp``: done, or undone."""
+    """Swap equal-shape ``a`` and ``b`` through ``tmp``: done, or undone
+    whichever copy raises, before or after its write."""
     tmp.copy_(a)
-    a.copy_(b)
+    a_holds_b = False
     try:
+        a.copy_(b)
+        a_holds_b = True  # b may be overwritten from here: a has its bytes
         b.copy_(tmp)
     except BaseException:
-        # a holds b's bytes and a's are only in tmp: put them back.
+        if a_holds_b:
+            b.copy_(a)
         a.copy_(tmp)
         raise
 
@@ -150,9 +154,9 @@ def reorder_w1w3_to_w3w1(
     the first write and reused for every chunk of both tensors, so a failed
     allocation leaves both inputs untouched.
 
-    Interruption: an exception (or SIGINT, held back to the end of the chunk)
-    leaves every chunk either swapped or untouched; none of its bytes is left
-    only in the buffer.
+    Interruption: an exception (a KeyboardInterrupt included) raised by any
+    operation of the call, before or after its write, leaves every chunk
+    either swapped or untouched; none of its bytes is left only in the buffer.
 
     Raises:
         TypeError: an argument has the wrong type.
@@ -217,7 +221,7 @@ def reorder_w1w3_to_w3w1(
             b = halves[row : row + rows, 1, start : start + n]
             _swap_chunk(a, b, buf[: rows * n].view(rows, n))
 
-        run_chunks(len(chunks), swap, progress, weight.device)
+        run_chunks(len(chunks), swap, progress)
     return weight, scale
 
 
@@ -426,19 +430,19 @@ def prepare_nvfp4_moe_layer_for_fi_or_cutlass(
     return w13, w13_scale, w13_scale_2, a13_scale, w2, w2_scale, w2_scale_2, a2_scale
 
 
-# -- The rest of vLLM's module, which this tree does not carry: the names the
-# definitions above call, refusing here. (Not part of the branch: the fork
-# keeps vLLM's own.)
+# -- The rest of vLLM's module (its TRT-LLM and CuteDSL paths), which the
+# NVFP4 MoE preparation does not use: the names the definitions above call,
+# refusing here. (Not part of the branch: the fork keeps vLLM's own.)
 
 
 def align_fp4_moe_hidden_dim_for_fi(w13, w13_scale, w2, w2_scale, min_alignment=256):
-    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not available here")
 
 
 def align_fp4_moe_weights_for_fi(
     w13, w13_scale, w2, w2_scale, is_act_and_mul, min_alignment=16
 ):
-    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not available here")
 
 
 def prepare_static_weights_for_trtllm_fp4_moe(
@@ -451,8 +455,8 @@ def prepare_static_weights_for_trtllm_fp4_moe(
     num_experts,
     is_gated_activation,
 ):
-    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer TRT-LLM NVFP4 MoE is not available here")
 
 
 def nvfp4_swizzled_scale_to_cutedsl_mma_view(scale):
-    raise NotImplementedError("FlashInfer CuteDSL NVFP4 MoE is not in this tree")
+    raise NotImplementedError("FlashInfer CuteDSL NVFP4 MoE is not available here")

@@ -28,7 +28,7 @@ B. Larger experts: the same per strip of 64 rows, in place (the strip's
    cycle-following (:class:`TileCyclePlan`), any expert size within the cap.
 
 Every chunk reads what it needs before its single write, so an exception
-(or SIGINT, held back to the chunk's end) leaves it done or untouched and a
+raised by one of its operations leaves it done or untouched and a
 ``ChunkProgress`` resumes the call. The inverse functions (a reload) run
 path B backwards, using the reference per strip.
 """
@@ -221,33 +221,37 @@ class _Planes:
         _shuffle_planes(view, self.scratch)
         return view
 
-    def drain(self, bases: torch.Tensor, load: Callable[[torch.Tensor], None]):
+    def drain(
+        self, bases: torch.Tensor, load: Callable[[torch.Tensor], None]
+    ) -> Callable[[], object]:
         """The inverse: ``load(planes)`` fills planes [8, u*8*kt] with output
-        words; unshuffled, they are written to the strips whose first rows
-        are ``bases`` [u] (one ``index_copy_``, the only write)."""
+        words; unshuffled, they are for the strips whose first rows are
+        ``bases`` [u]. Returns that write (one ``index_copy_``, the only one,
+        from the planes)."""
         u = bases.numel()
         view = self.view(u)
         load(view)
         _shuffle_planes(view, self.scratch, inverse=True)
         ix = self.idx[: 64 * u].view(8, u, 8)
         torch.add(bases.view(1, u, 1), self.off, out=ix)
-        self.rows.index_copy_(0, ix.view(-1), view.view(-1, self.kt))
+        return lambda: self.rows.index_copy_(0, ix.view(-1), view.view(-1, self.kt))
 
 
 # --- plans ------------------------------------------------------------------------
 
 
 class _Plan:
-    """The chunks of one bounded call: ``run(idx)`` for idx in range(len)."""
+    """The chunks of one bounded call: ``run(idx)`` for idx in range(len),
+    each returning its write (see ``run_chunks``)."""
 
     def __init__(self) -> None:
-        self.chunks: list[Callable[[], None]] = []
+        self.chunks: list[Callable[[], Callable[[], object] | None]] = []
 
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def run(self, idx: int) -> None:
-        self.chunks[idx]()
+    def run(self, idx: int) -> Callable[[], object] | None:
+        return self.chunks[idx]()
 
 
 def _run(
@@ -256,7 +260,7 @@ def _run(
     """Build a call's plan (all its buffers) and run its chunks."""
     with torch.no_grad():
         plan = make_plan()
-        run_chunks(len(plan), plan.run, progress, t.device)
+        run_chunks(len(plan), plan.run, progress)
 
 
 def _tile_source(nt: int, kt: int, rs: int, inverse: bool) -> torch.Tensor:
@@ -372,7 +376,7 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
         rs = rotate // 64
         rolled = (torch.arange(nt, device=dev) * 64 + rotate) % n
 
-        def experts(e0: int, ge: int) -> None:
+        def experts(e0: int, ge: int) -> Callable[[], object]:
             dst = out[e0 : e0 + ge]
             if not inverse:
                 # output strip j of each expert is strip (j + rs) % nt
@@ -381,12 +385,11 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
                     pieces = [q for x in range(ge) for q in (src[x, rs:], src[x, :rs])]
                 else:
                     pieces = [src.reshape(ge * nt, 64, kt)]
-                planes = work.fill(pieces)
-                dst.copy_(_expert_view(planes, ge, nt, kt))  # the only write
-            else:
-                first = torch.arange(e0, e0 + ge, device=dev).view(-1, 1) * n
-                bases = (first + rolled.view(1, -1)).view(-1)
-                work.drain(bases, lambda p: _expert_view(p, ge, nt, kt).copy_(dst))
+                view = _expert_view(work.fill(pieces), ge, nt, kt)
+                return lambda: dst.copy_(view)  # the only write
+            first = torch.arange(e0, e0 + ge, device=dev).view(-1, 1) * n
+            bases = (first + rolled.view(1, -1)).view(-1)
+            return work.drain(bases, lambda p: _expert_view(p, ge, nt, kt).copy_(dst))
 
         for e0 in range(0, e, g):
             plan.chunks.append(lambda e0=e0: experts(e0, min(g, e - e0)))
@@ -399,14 +402,13 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
 
     all_strips = words.view(e * nt, 64, kt)
 
-    def strips(s0: int, gs: int) -> None:
+    def strips(s0: int, gs: int) -> Callable[[], object]:
         dst = out[s0 : s0 + gs]
         if not inverse:
-            planes = work.fill([all_strips[s0 : s0 + gs]])
-            dst.copy_(_strip_view(planes, gs, kt))  # the only write
-        else:
-            bases = torch.arange(s0, s0 + gs, device=dev) * 64
-            work.drain(bases, lambda p: _strip_view(p, gs, kt).copy_(dst))
+            view = _strip_view(work.fill([all_strips[s0 : s0 + gs]]), gs, kt)
+            return lambda: dst.copy_(view)  # the only write
+        bases = torch.arange(s0, s0 + gs, device=dev) * 64
+        return work.drain(bases, lambda p: _strip_view(p, gs, kt).copy_(dst))
 
     room = budget - _Planes.nbytes(g, kt)
     if inverse:
@@ -506,7 +508,7 @@ def _scale_plan(
     index = torch.empty(units * span * c, dtype=torch.int32, device=dev)
     ridx = torch.empty(units * span, dtype=torch.int64, device=dev)
 
-    def chunk(u0: int, gu: int) -> None:
+    def chunk(u0: int, gu: int) -> Callable[[], object]:
         first = torch.arange(u0, u0 + gu, device=dev).view(-1, 1) * span
         r = ridx[: gu * span]
         torch.add(first, base, out=r.view(gu, span))
@@ -516,14 +518,14 @@ def _scale_plan(
         if not inverse:
             torch.index_select(rows, 0, r, out=rb)
             ix.view(gu, c, span).copy_(rb.view(gu, span, c).transpose(1, 2))
-            torch.index_select(table, 0, ix, out=dst)  # the only write
+            return lambda: torch.index_select(table, 0, ix, out=dst)  # the only write
         else:
             ix.copy_(dst)
             # the re-encoded scales, by (unit, column, row) in rb's bytes
             torch.index_select(table, 0, ix, out=rb.view(-1))
             ix.view(gu, span, c).copy_(rb.view(gu, c, span).transpose(1, 2))
             rb.view(-1).copy_(ix)
-            rows.index_copy_(0, r, rb)  # the only write
+            return lambda: rows.index_copy_(0, r, rb)  # the only write
 
     if inverse and not whole:
         room = budget - units * _scale_unit_bytes(span, c)

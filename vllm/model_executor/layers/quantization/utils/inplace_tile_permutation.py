@@ -17,13 +17,16 @@ is left is the cycle ``(p_{s-1} p_s ... p_{m-1})``, of the same form::
 
 A chunk packs segments of different cycles (at most one per cycle) up to
 ``T`` tiles; it reads all of its tiles into the buffer before its single
-write (``index_copy_``), so an exception leaves it done or untouched and
+write (``index_copy_``), which reads only the buffer, so an exception
+leaves it done or untouched and
 :class:`ChunkProgress` can resume the sequence. The plan (the cycles, found
 once with a visited bitmap) is the same for every group (expert) of a
 batched tensor.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -111,15 +114,15 @@ class TileCyclePlan:
         buf: torch.Tensor,
         isrc: torch.Tensor,
         idst: torch.Tensor,
-    ) -> None:
-        """Apply chunk ``chunk`` to group ``group`` of ``tiles`` [G * n, W]
-        (W words per tile). ``buf`` [>= largest, W] and ``isrc`` / ``idst``
-        int64 [>= largest] are reused scratch. One write: the final
-        ``index_copy_``, after every tile of the chunk was read."""
+    ) -> Callable[[], object]:
+        """Read chunk ``chunk`` of group ``group`` of ``tiles`` [G * n, W]
+        (W words per tile) and return its one write, the ``index_copy_``
+        from ``buf`` (run it again: the same bytes). ``buf`` [>= largest, W]
+        and ``isrc`` / ``idst`` int64 [>= largest] are reused scratch."""
         a, b = self.bounds[chunk], self.bounds[chunk + 1]
         k = b - a
         offset = group * self.n
         torch.add(self.src[a:b], offset, out=isrc[:k])
         torch.add(self.dst[a:b], offset, out=idst[:k])
         torch.index_select(tiles, 0, isrc[:k], out=buf[:k])
-        tiles.index_copy_(0, idst[:k], buf[:k])
+        return lambda: tiles.index_copy_(0, idst[:k], buf[:k])

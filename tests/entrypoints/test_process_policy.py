@@ -1,0 +1,121 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The commands' process-wide policy around a weight preparation
+(``vllm.entrypoints.process_policy``): one intra-op thread on CPU, restored
+after; Ctrl-C held to the end of the block, never lost, never where SIGINT
+is ignored; and ``vllm bench moe-weight-prep`` prepares under it."""
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from tests.sigint import sigint_raises_keyboard_interrupt
+from vllm.benchmarks.moe_weight_prep import w4a4_layers
+from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
+from vllm.benchmarks.moe_weight_prep.shard import RankShard
+from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
+from vllm.entrypoints.process_policy import (
+    PREP_CPU_THREADS,
+    deferred_sigint,
+    intra_op_threads,
+    preparing_weights,
+)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "device, threads, inside",
+    [("cpu", PREP_CPU_THREADS, 1), ("cpu", 0, 2), ("cpu", 3, 3), ("meta", 1, 2)],
+    ids=["cpu-default", "cpu-torch-setting", "cpu-3", "not-a-cpu"],
+)
+def test_preparing_weights_sets_the_threads_and_restores_them(
+    two_threads, device, threads, inside
+):
+    with preparing_weights(device, threads):
+        assert torch.get_num_threads() == inside
+    assert torch.get_num_threads() == 2
+
+
+def test_the_thread_setting_is_restored_after_an_exception(two_threads):
+    with pytest.raises(KeyError), intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+        raise KeyError
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_a_bad_thread_count_is_refused(bad):
+    with pytest.raises(ValueError, match="intra-op threads"), intra_op_threads(bad):
+        pass
+
+
+def test_the_benchmark_prepares_on_one_thread(two_threads, monkeypatch):
+    # The measured behaviour of `vllm bench moe-weight-prep`: its bounded
+    # steps on one intra-op thread (the library itself sets none).
+    seen = []
+    real = w4a4_layers._run_steps
+
+    def run_steps(steps, *args):
+        timed = [
+            (n, lambda fn=fn: (seen.append(torch.get_num_threads()), fn()))
+            for n, fn in steps
+        ]
+        return real(timed, *args)
+
+    monkeypatch.setattr(w4a4_layers, "_run_steps", run_steps)
+    preset = MoEModelPreset("tiny", "tiny", 1, 256, 4, 2, 128, "silu")
+    cpu = torch.device("cpu")
+    tensors = synthetic_layer_tensors(preset, 1, cpu, 0)
+    records, _ = w4a4_layers._bounded_run(
+        preset, RankShard(), tensors, cpu, 64 << 20, False
+    )
+    assert records and all(r.error is None for r in records)
+    assert len(seen) == len(records) and set(seen) == {1}
+    assert torch.get_num_threads() == 2
+
+
+def test_a_held_back_sigint_is_raised_when_the_block_ends():
+    reached = []
+    with sigint_raises_keyboard_interrupt():
+        with pytest.raises(KeyboardInterrupt), deferred_sigint():
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("after the signal")  # the block runs on
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with deferred_sigint():  # control: no signal, no KeyboardInterrupt
+            pass
+    assert reached == ["after the signal"]
+
+
+def test_an_ignored_sigint_stays_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deferred_sigint():
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)  # ignored: nothing raised
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_outside_the_main_thread_nothing_is_changed():
+    seen = []
+
+    def run():
+        with deferred_sigint():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    with sigint_raises_keyboard_interrupt():
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    assert seen == [signal.default_int_handler]
