@@ -20,10 +20,8 @@ from collections.abc import Sequence
 
 import libcst as cst
 
-try:
-    from tools.fork_manifest import BranchError, Edit
-except ImportError:  # run as a script from tools/
-    from fork_manifest import BranchError, Edit
+from fork_manifest import Edit
+from tool_cli import ToolError
 
 __all__ = [
     "add_definition",
@@ -47,7 +45,7 @@ def parse(text: str, who: str) -> cst.Module:
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        raise BranchError(f"{who}: does not parse: line {exc.raw_line}") from None
+        raise ToolError(f"{who}: does not parse: line {exc.raw_line}") from None
 
 
 def code(node: cst.CSTNode) -> str:
@@ -89,7 +87,7 @@ def find(module: cst.Module, qualname: str, who: str) -> cst.CSTNode:
         ]
         if len(hits) != 1:
             found = "defined twice" if hits else "not found"
-            raise BranchError(f"{who}: {qualname}: {found}")
+            raise ToolError(f"{who}: {qualname}: {found}")
         node = hits[0]
     return node
 
@@ -129,7 +127,7 @@ def match(
         )
         want = _shape(text, statement)
     except (cst.ParserSyntaxError, SyntaxError):
-        raise BranchError(f"{who}: {text!r} does not parse") from None
+        raise ToolError(f"{who}: {text!r} does not parse") from None
     hits: list[cst.CSTNode] = []
 
     class _Visit(cst.CSTVisitor):
@@ -141,7 +139,7 @@ def match(
 
     node.visit(_Visit())
     if len(hits) != 1:
-        raise BranchError(f"{who}: {text!r} matches {len(hits)} places, not 1")
+        raise ToolError(f"{who}: {text!r} matches {len(hits)} places, not 1")
     return hits[0]
 
 
@@ -189,9 +187,6 @@ class _Swap(cst.CSTTransformer):
 
     def on_leave(self, old, new):
         return self.swaps.get(id(old), new)
-
-
-# -------------------------------------------------------------------- imports
 
 
 def _type_checking(module: cst.Module) -> cst.If | None:
@@ -337,9 +332,6 @@ def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
     return after.visit(_Swap(swaps))
 
 
-# ---------------------------------------------------------------------- edits
-
-
 def add_definition(
     up: cst.Module, br: cst.Module, qualname: str, who: str
 ) -> cst.Module:
@@ -352,7 +344,7 @@ def add_definition(
     u_body, b_names = list(_body(u_parent)), _names_of(_body(b_parent))
     u_names = _names_of(u_body)
     if name in u_names:
-        raise BranchError(f"{who}: {qualname}: upstream defines it: replace it")
+        raise ToolError(f"{who}: {qualname}: upstream defines it: replace it")
     i = [s is node for s in _body(b_parent)].index(True)
     later = [u_names.index(n) for n in b_names[i + 1 :] if n in u_names]
     earlier = [u_names.index(n) + 1 for n in b_names[:i] if n in u_names]
@@ -394,7 +386,7 @@ def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
     els, want = list(getattr(within, "elements", ())), _shape(e.anchor, False)
     idx = [i for i, el in enumerate(els) if _shape(code(el.value), False) == want]
     if not isinstance(within, (cst.List, cst.Tuple, cst.Set)) or len(idx) != 1:
-        raise BranchError(f"{who}: {e.anchor!r} is not once an element of {e.within!r}")
+        raise ToolError(f"{who}: {e.anchor!r} is not once an element of {e.within!r}")
     gone = els.pop(idx[0])
     if idx[0] == len(els) and els:  # it was last: the new last takes its comma
         els[-1] = els[-1].with_changes(comma=gone.comma)
@@ -418,9 +410,7 @@ def _env_parts(text: str, who: str) -> tuple:
         None,
     )
     if not isinstance(d, ast.Dict) or tc is None:
-        raise BranchError(
-            f"{who}: no environment_variables dict or TYPE_CHECKING block"
-        )
+        raise ToolError(f"{who}: no environment_variables dict or TYPE_CHECKING block")
     entries = {
         k.value: (k, v)
         for k, v in zip(d.keys, d.values, strict=True)
@@ -442,7 +432,7 @@ def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
     for n in names:
         if n in ukeys or n not in bkeys or n not in banns:
             where = "upstream has" if n in ukeys else "the branch's file lacks"
-            raise BranchError(f"{who}: {where} {n} or its annotation")
+            raise ToolError(f"{who}: {where} {n} or its annotation")
         key, value = bkeys[n]
         first = key.lineno
         while bl[first - 2].lstrip().startswith("#"):
@@ -451,7 +441,7 @@ def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
         anns += bl[banns[n].lineno - 1 : banns[n].end_lineno]
     last = ud.values[-1]
     if not ul[last.end_lineno - 1][last.end_col_offset :].lstrip().startswith(","):
-        raise BranchError(f"{who}: upstream's last environment variable has no comma")
+        raise ToolError(f"{who}: upstream's last environment variable has no comma")
     ul[ud.end_lineno - 1 : ud.end_lineno - 1] = entries
     ul[utc.end_lineno : utc.end_lineno] = anns
     return "".join(ul)
@@ -463,7 +453,7 @@ def buildkite_dependencies(text: str, step: str, paths: Sequence[str], who: str)
     lines = text.splitlines(keepends=True)
     keys = [i for i, s in enumerate(lines) if s.strip() == f"key: {step}"]
     if len(keys) != 1:
-        raise BranchError(f"{who}: step {step} found {len(keys)} times, not once")
+        raise ToolError(f"{who}: step {step} found {len(keys)} times, not once")
     indent = lines[keys[0]][: -len(lines[keys[0]].lstrip())]
     i = keys[0] + 1
     while i < len(lines) and lines[i].startswith(indent):
@@ -471,7 +461,7 @@ def buildkite_dependencies(text: str, step: str, paths: Sequence[str], who: str)
             break
         i += 1
     else:
-        raise BranchError(f"{who}: step {step} has no source_file_dependencies")
+        raise ToolError(f"{who}: step {step} has no source_file_dependencies")
     deps, i = [], i + 1
     while i < len(lines) and lines[i].startswith(f"{indent}- "):
         deps.append(lines[i].strip()[2:].strip().rstrip("/"))

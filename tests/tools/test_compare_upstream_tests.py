@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tools.compare_upstream_tests import outcomes, regressions
+from compare_upstream_tests import outcomes, regressions
 
 TESTS = """
 import pytest

@@ -6,7 +6,9 @@ structure exactly once, the imports only they read removed with them."""
 
 import pytest
 
-from tools.fork_branch import BranchError, apply_branch, load_manifest
+from fork_branch import apply_branch
+from fork_manifest import load_manifest
+from tool_cli import ToolError
 
 UPSTREAM = """import pytest
 
@@ -67,7 +69,7 @@ def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
     assert "current_platform" not in text and "__main__" not in text
     assert "from vllm.kernels import fast_op" in text and "def test_op" in text
     _manifest(m, ["not current_platform.is_sm121()"])
-    with pytest.raises(BranchError, match="matches 0 places"):
+    with pytest.raises(ToolError, match="matches 0 places"):
         apply_branch(
             tmp_path / "tree",
             "1.0.0",
