@@ -23,22 +23,9 @@ import libcst as cst
 from fork_manifest import Edit
 from tool_cli import ToolError
 
-__all__ = [
-    "add_definition",
-    "add_imports",
-    "bindings",
-    "buildkite_dependencies",
-    "code",
-    "definition_source",
-    "drop_unused_imports",
-    "edit",
-    "env_entries",
-    "find",
-    "match",
-    "parse",
-    "reads",
-    "source_hash",
-]
+__all__ = ["add_definition", "add_imports", "bindings", "buildkite_dependencies"]
+__all__ += ["code", "definition_source", "drop_unused_imports", "edit"]
+__all__ += ["env_entries", "find", "match", "parse", "reads", "source_hash"]
 
 
 def parse(text: str, who: str) -> cst.Module:
@@ -397,24 +384,23 @@ def _env_parts(text: str, who: str) -> tuple:
     """(the ``environment_variables`` dict, its entries by name, the
     ``if TYPE_CHECKING:`` block, its annotations by name), by ast."""
     body = ast.parse(text).body
-    assigns = [s for s in body if isinstance(s, (ast.Assign, ast.AnnAssign))]
-    targets = [(getattr(s, "target", None) or s.targets[0], s.value) for s in assigns]
-    named = [v for t, v in targets if getattr(t, "id", "") == "environment_variables"]
-    d = named[0] if named else None
-    tc = next(
-        (
-            s
-            for s in body
-            if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
-        ),
-        None,
-    )
-    if not isinstance(d, ast.Dict) or tc is None:
+    named = [
+        s.value
+        for s in body
+        if isinstance(s, (ast.Assign, ast.AnnAssign))
+        and "environment_variables"
+        in {ast.unparse(t) for t in getattr(s, "targets", [getattr(s, "target", None)])}
+    ]
+    tc = [
+        s
+        for s in body
+        if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
+    ]
+    if not named or not isinstance(named[0], ast.Dict) or not tc:
         raise ToolError(f"{who}: no environment_variables dict or TYPE_CHECKING block")
+    d, tc = named[0], tc[0]
     entries = {
-        k.value: (k, v)
-        for k, v in zip(d.keys, d.values, strict=True)
-        if isinstance(k, ast.Constant)
+        getattr(k, "value", None): (k, v) for k, v in zip(d.keys, d.values, strict=True)
     }
     anns = {ast.unparse(s.target): s for s in tc.body if isinstance(s, ast.AnnAssign)}
     return d, entries, tc, anns
@@ -433,7 +419,7 @@ def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
         if n in ukeys or n not in bkeys or n not in banns:
             where = "upstream has" if n in ukeys else "the branch's file lacks"
             raise ToolError(f"{who}: {where} {n} or its annotation")
-        key, value = bkeys[n]
+        (key, value) = bkeys[n]
         first = key.lineno
         while bl[first - 2].lstrip().startswith("#"):
             first -= 1
