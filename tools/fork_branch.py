@@ -89,6 +89,8 @@ def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package)
     up = fc.add_imports(up, wanted, package)
     if e.replace or e.drop or e.drop_if or e.edits:  # these can leave imports unused
         up = fc.drop_unused_imports(up0, up)
+    if e.drop_if:  # the imports around a dropped `if` become one block
+        up = fc.sort_import_runs(up, package)
     out = up.code
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
 

@@ -25,7 +25,8 @@ from tool_cli import ToolError
 
 __all__ = ["add_definition", "add_imports", "bindings", "buildkite_dependencies"]
 __all__ += ["code", "definition_source", "drop_unused_imports", "edit"]
-__all__ += ["env_entries", "find", "match", "parse", "reads", "source_hash"]
+__all__ += ["env_entries", "find", "match", "parse", "reads", "sort_import_runs"]
+__all__ += ["source_hash"]
 
 
 def parse(text: str, who: str) -> cst.Module:
@@ -293,6 +294,45 @@ def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
                 ]
             module = module.deep_replace(anchor, cst.FlattenSentinel(seq))
     return module
+
+
+def _is_import(s: cst.CSTNode) -> bool:
+    return isinstance(s, cst.SimpleStatementLine) and isinstance(
+        s.body[0], (cst.Import, cst.ImportFrom)
+    )
+
+
+def sort_import_runs(module: cst.Module, package: str) -> cst.Module:
+    """Each run of module-level import lines (one a dropped module-level
+    ``if`` can make of two) as ruff's isort orders one, where it does not
+    already: sections apart by one blank line, comments kept."""
+    body, out = list(module.body), []
+    while body:
+        run = []
+        while body and _is_import(body[0]):
+            run.append(body.pop(0))
+        if not run:
+            out.append(body.pop(0))
+            continue
+        keys = [_sort_key(s, package) for s in run]
+        gaps = [any(not ln.comment for ln in s.leading_lines) for s in run[1:]]
+        apart = [a[0] != b[0] for a, b in zip(keys[:-1], keys[1:], strict=True)]
+        if keys == sorted(keys) and gaps == apart:
+            out += run
+            continue
+        ordered = sorted(run, key=lambda s: _sort_key(s, package))
+        for k, s in enumerate(ordered):
+            notes = [ln for ln in s.leading_lines if ln.comment]
+            if k == 0:
+                blank = [ln for ln in run[0].leading_lines if not ln.comment]
+                lead = (blank if out else []) + notes  # first: the header's
+            else:
+                apart = (
+                    _sort_key(s, package)[0] != _sort_key(ordered[k - 1], package)[0]
+                )
+                lead = [cst.EmptyLine(indent=False)] * apart + notes
+            out.append(s.with_changes(leading_lines=lead))
+    return module.with_changes(body=out)
 
 
 def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
