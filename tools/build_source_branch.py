@@ -7,20 +7,17 @@
 Per release of tools/fork_manifest.toml: its sdist and wheel (pip download,
 or --local), sha256 checked, kept in build/source/; the sdist unpacked to
 build/source/vllm-<V>/ as git, first commit = its files (git add -f -A),
-tag v<V>; one commit per [[prs]] entry (the release + that PR and the ones
-before it, tools/fork_branch.py; each changed .py file compiled) on a
+tag v<V>; one commit per [[prs]] entry (tools/fork_branch.py: the release
+with that PR and the ones before it; each changed .py file compiled) on a
 scratch branch that nvfp4moe moves to once complete; git format-patch to
 dist/vllm-<V>-nvfp4moe-patches/, checked by git am onto the tag. Then,
 unless --no-install, the first tree is installed editable into this venv
 with its wheel's compiled parts and the trees' requirements. A tree holding
 anything the command did not make is refused (--fresh deletes it first).
-Errors: one line on stderr, exit 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import os
 import shutil
 import subprocess
@@ -30,9 +27,12 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["AUTHOR", "BRANCH", "SourceError", "build_release", "git", "install"]
+from fork_manifest import load_manifest
+from tool_cli import ROOT, ToolError, command, parser, run
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["AUTHOR", "BRANCH", "build_release", "check_disk", "git", "install"]
+__all__ += ["precompiled"]
+
 BRANCH, WIP = "nvfp4moe", "nvfp4moe-wip"
 AUTHOR = "vLLM NVFP4 MoE branch <nvfp4-moe-branch@users.noreply.github.com>"
 # Measured on a fresh clone (du, 2026-12-03): per release its sdist, wheel and
@@ -41,23 +41,10 @@ NEED_PER_RELEASE, NEED_VENV = 900 << 20, 3 << 30
 FRESH = "kept as they are; pass --fresh to delete the tree and start afresh"
 
 
-class SourceError(Exception):
-    """The build cannot go on; the message is the one line the user sees."""
-
-
 def git(tree: Path, *args: str, env: dict | None = None, input: str = "") -> str:
-    run = subprocess.run(
-        ["git", "-C", str(tree), *args],
-        input=input,
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
+    return run(
+        ["git", "-C", str(tree), *args], f"git {args[0]} in {tree}", env, input=input
     )
-    if run.returncode:
-        said = [s for s in (run.stderr + run.stdout).splitlines() if s.strip()]
-        said = [s for s in said if not s.startswith("hint:")] or ["failed"]
-        raise SourceError(f"git {args[0]} in {tree}: {said[0]}")
-    return run.stdout.strip()
 
 
 def _identity(author: str, epoch: int) -> dict:
@@ -69,39 +56,6 @@ def _identity(author: str, epoch: int) -> dict:
     return env
 
 
-def fetch(name: str, sha256: str, version: str, out: Path, local=()) -> Path:
-    """``out/name`` with the manifest's sha256: copied from the first folder
-    of ``local`` holding it, else downloaded with pip."""
-    target, source = out / name, "pip download"
-    for folder in (
-        [] if target.is_file() else [d for d in local if (d / name).is_file()]
-    ):
-        source = str(folder / name)
-        shutil.copyfile(folder / name, target.with_suffix(".part"))
-        os.replace(target.with_suffix(".part"), target)
-        break
-    if not target.is_file():
-        print(f"downloading {name} with pip", flush=True)
-        cmd = ["pip", "download", "-q", "--no-deps", "-d", str(out), f"vllm=={version}"]
-        if name.endswith(".tar.gz"):  # pip runs setup.py for the metadata
-            cmd += ["--no-binary", ":all:", "--no-build-isolation"]
-        else:
-            cmd += ["--only-binary", ":all:", "--platform", "manylinux_2_28_x86_64"]
-        env = {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": version}
-        _pip(*cmd[1:], env=env)
-        if not target.is_file():
-            raise SourceError(f"pip download vllm=={version} wrote no {target}")
-    with open(target, "rb") as f:
-        got = hashlib.file_digest(f, "sha256").hexdigest()
-    if got != sha256:
-        target.unlink()  # our copy; the source is left as it is
-        raise SourceError(
-            f"{name} ({source}): sha256 {got}, expected {sha256} (the "
-            f"manifest's for vllm {version}); not used"
-        )
-    return target
-
-
 def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
     """``tree``: the sdist's files, committed and tagged; only whole or absent."""
     partial = tree.with_name(f".{tree.name}.partial")
@@ -111,10 +65,10 @@ def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
         with tarfile.open(sdist) as archive:
             archive.extractall(partial, filter="data")
     except (tarfile.TarError, OSError) as exc:
-        raise SourceError(f"{sdist}: cannot unpack: {exc}") from None
+        raise ToolError(f"{sdist}: cannot unpack: {exc}") from None
     top = partial / f"vllm-{version}"
     if not (top / "PKG-INFO").is_file():
-        raise SourceError(f"{sdist}: no vllm-{version}/PKG-INFO, not vLLM's sdist")
+        raise ToolError(f"{sdist}: no vllm-{version}/PKG-INFO, not vLLM's sdist")
     env = _identity(author, int((top / "PKG-INFO").stat().st_mtime))
     git(top, "init", "-q")
     git(top, "symbolic-ref", "HEAD", f"refs/heads/{WIP}")
@@ -128,32 +82,23 @@ def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
 def _check_ours(tree: Path, version: str, author: str) -> None:
     """Refuse a tree holding anything the command did not make."""
     if not (tree / ".git").is_dir():
-        raise SourceError(f"{tree} exists and is not a git tree this made; {FRESH}")
+        raise ToolError(f"{tree} exists and is not a git tree this made; {FRESH}")
     tag, head = f"v{version}", git(tree, "rev-parse", "--abbrev-ref", "HEAD")
     if not git(tree, "tag", "--list", tag):
-        raise SourceError(f"{tree} has no tag {tag}; {FRESH}")
+        raise ToolError(f"{tree} has no tag {tag}; {FRESH}")
     if head == WIP:  # an interrupted series: its half-applied files are ours
         return
     if status := git(tree, "status", "--porcelain", "--untracked-files=all"):
         n = len(status.splitlines())
-        raise SourceError(f"{tree} has changes not made by this command ({n}); {FRESH}")
+        raise ToolError(f"{tree} has changes not made by this command ({n}); {FRESH}")
     tip = BRANCH if git(tree, "branch", "--list", BRANCH) else tag
     ancestor = ["git", "-C", str(tree), "merge-base", "--is-ancestor", "HEAD", tip]
-    if head != BRANCH and not (
-        head == "HEAD" and not subprocess.run(ancestor).returncode
-    ):
-        raise SourceError(f"{tree} has {head} checked out, not {BRANCH}; {FRESH}")
+    detached_on_it = head == "HEAD" and not subprocess.run(ancestor).returncode
+    if head != BRANCH and not detached_on_it:
+        raise ToolError(f"{tree} has {head} checked out, not {BRANCH}; {FRESH}")
     log = git(tree, "log", "--format=%an <%ae>%n%cn <%ce>", f"{tag}..{tip}")
     if set(log.splitlines()) - {author}:
-        raise SourceError(f"{tree} has commits not made by this command; {FRESH}")
-
-
-def _engine():
-    try:
-        from tools import fork_branch
-    except ImportError:  # run as `python tools/build_source_branch.py`
-        import fork_branch
-    return fork_branch
+        raise ToolError(f"{tree} has commits not made by this command; {FRESH}")
 
 
 def _series(tree, version, manifest, repo, author, apply) -> None:
@@ -166,26 +111,17 @@ def _series(tree, version, manifest, repo, author, apply) -> None:
         git(tree, "add", "-f", "-A", "--", *report.written)
         changed = git(tree, "diff", "--cached", "--name-only", "HEAD").split()
         if not changed:
-            raise SourceError(f"PR {pr.id} changes nothing in vllm {version}")
+            raise ToolError(f"PR {pr.id} changes nothing in vllm {version}")
         for name in (n for n in changed if n.endswith(".py")):
             try:
                 compile((tree / name).read_bytes(), name, "exec", dont_inherit=True)
             except SyntaxError as exc:
-                raise SourceError(
-                    f"PR {pr.id}: {name} does not compile: {exc}"
-                ) from None
+                raise ToolError(f"PR {pr.id}: {name} does not compile: {exc}") from None
         page = (repo / pr.doc).read_text(encoding="utf-8").strip().split("\n", 1)
         body = page[-1].strip() if page[0].startswith("# ") else "\n".join(page)
         message = f"{pr.title}\n\n{body}\n\nSigned-off-by: {author}\n"
-        git(
-            tree,
-            "commit",
-            "-q",
-            "-F",
-            "-",
-            env=_identity(author, base + 60 * k),
-            input=message,
-        )
+        env = _identity(author, base + 60 * k)
+        git(tree, "commit", "-q", "-F", "-", env=env, input=message)
     git(tree, "branch", "-f", BRANCH, WIP)
     git(tree, "checkout", "-q", BRANCH)
     git(tree, "branch", "-q", "-D", WIP)
@@ -204,7 +140,7 @@ def _patches(tree: Path, version: str, dist: Path, author: str) -> Path:
             if git(am, "rev-parse", "HEAD^{tree}") != git(
                 tree, "rev-parse", "HEAD^{tree}"
             ):
-                raise SourceError(f"git am of {out} onto v{version} gives another tree")
+                raise ToolError(f"git am of {out} onto v{version} gives another tree")
         finally:
             git(tree, "worktree", "remove", "--force", str(am))
     return out
@@ -213,7 +149,7 @@ def _patches(tree: Path, version: str, dist: Path, author: str) -> Path:
 def _pip(*args: str, env: dict | None = None) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
     if subprocess.run(cmd, env={**os.environ, **(env or {})}).returncode:
-        raise SourceError(f"pip {' '.join(args[:2])} ... failed (see above)")
+        raise ToolError(f"pip {' '.join(args[:2])} ... failed (see above)")
 
 
 def precompiled(wheel: Path, version: str) -> dict:
@@ -231,7 +167,7 @@ def install(tree: Path, wheel: Path, version: str, requirements=()) -> None:
     ``requirements`` files with requirements/source-cpu.txt; ``import vllm``
     resolving into the tree is checked."""
     if sys.prefix == sys.base_prefix:
-        raise SourceError("not in a virtual environment: make .venv-source (README)")
+        raise ToolError("not in a virtual environment: make .venv-source (README)")
     if requirements:
         reqs = [ROOT / "requirements/source-cpu.txt", *requirements]
         _pip("install", "-q", *(f"-r{r}" for r in reqs))
@@ -241,9 +177,7 @@ def install(tree: Path, wheel: Path, version: str, requirements=()) -> None:
     probe = [sys.executable, "-c", "import vllm; print(vllm.__file__)"]
     found = subprocess.run(probe, capture_output=True, text=True, cwd="/").stdout
     if Path(found.strip()) != tree.resolve() / "vllm" / "__init__.py":
-        raise SourceError(
-            f"import vllm gives {found.strip() or 'an error'}, not {tree}"
-        )
+        raise ToolError(f"import vllm gives {found.strip() or 'an error'}, not {tree}")
 
 
 def build_release(
@@ -266,12 +200,13 @@ def build_release(
         shutil.rmtree(tree)
     elif tree.exists():
         _check_ours(tree, version, author)
-    build.mkdir(parents=True, exist_ok=True)
-    sdist = fetch(release.sdist, release.sdist_sha256, version, build, local)
-    wheel = fetch(release.wheel, release.wheel_sha256, version, build, local)
+    sdist = release.fetch("sdist", build, local)
+    wheel = release.fetch("wheel", build, local)
     if not tree.exists():
         _unpack(sdist, version, tree, author)
-    _series(tree, version, manifest, repo, author, apply or _engine().apply_branch)
+    if apply is None:
+        from fork_branch import apply_branch as apply  # libcst: only here
+    _series(tree, version, manifest, repo, author, apply)
     return tree, wheel, _patches(tree, version, dist, author)
 
 
@@ -280,7 +215,7 @@ def check_disk(build: Path, versions: Sequence[str], venv: bool) -> None:
     need = len(missing) * NEED_PER_RELEASE + venv * NEED_VENV
     probe = next(p for p in (build, *build.parents) if p.exists())
     if (free := shutil.disk_usage(probe).free) < need:
-        raise SourceError(
+        raise ToolError(
             f"{free / 2**30:.1f} GiB free under {probe}, about {need / 2**30:.1f} "
             f"GiB needed: {len(missing)} source trees with git, sdists and wheels "
             f"({NEED_PER_RELEASE >> 20} MiB each)"
@@ -289,20 +224,20 @@ def check_disk(build: Path, versions: Sequence[str], venv: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--release", action="append", help="default: the manifest's")
+    p = parser(__doc__)
     p.add_argument("--local", type=Path, action="append", default=[], help="a folder")
     p.add_argument("--fresh", action="store_true", help="delete existing trees first")
     p.add_argument("--no-install", action="store_true", help="no editable install")
     p.add_argument("--author", default=AUTHOR, help="of the commits: Name <email>")
     args = p.parse_args(argv)
     build = ROOT / "build" / "source"
-    try:
+
+    def body() -> None:
         if shutil.which("git") is None:
-            raise SourceError(
+            raise ToolError(
                 "git is not installed; the source trees are git repositories"
             )
-        manifest = _engine().load_manifest()
+        manifest = load_manifest()
         versions = args.release or list(manifest.releases)
         check_disk(build, versions, not args.no_install)
         built = []
@@ -321,10 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_install:  # one venv for every tree's requirements
             install(*built[0], [t / "requirements/common.txt" for t, _, _ in built])
             print(f"vllm {versions[0]}: installed editable in {sys.prefix}")
-    except (SourceError, ValueError, OSError) as exc:  # BranchError: a ValueError
-        print(f"build_source_branch: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+    return command("build_source_branch", body)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ every id whose outcome changed; exit 1 on a regression, 2 on an error.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -27,10 +26,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-try:
-    from tools import build_source_branch as bsb
-except ImportError:  # run as `python tools/compare_upstream_tests.py`
-    import build_source_branch as bsb
+import build_source_branch as bsb
+from tool_cli import ROOT, ToolError, command, parser
 
 __all__ = ["QUICK", "SELECTION", "compare", "outcomes", "regressions"]
 
@@ -92,7 +89,7 @@ def _run(tree: Path, rev: str, files: list[str], junit: Path) -> dict[str, str]:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     subprocess.run(cmd, cwd=tests, env=env, stdout=subprocess.DEVNULL)
     if not junit.is_file():
-        raise bsb.SourceError(f"pytest wrote no {junit} at {rev} in {tree}")
+        raise ToolError(f"pytest wrote no {junit} at {rev} in {tree}")
     return outcomes(junit)
 
 
@@ -143,28 +140,30 @@ def _switch(tree: Path, version: str) -> None:
         bsb.install(tree, next(tree.parent.glob(f"vllm-{version}-*.whl")), version)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--release", action="append", help="default: 0.34.0, 0.33.0")
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="QUICK, not SELECTION")
     args = p.parse_args(argv)
-    build, bad = bsb.ROOT / "build" / "source", 0
-    try:
-        for v in args.release or ["0.34.0", "0.33.0"]:
-            tree = build / f"vllm-{v}"
-            if not (tree / ".git").is_dir() or not any(build.glob(f"vllm-{v}-*.whl")):
-                raise bsb.SourceError(f"no {tree}: run tools/build_source_branch.py")
-            _switch(tree, v)
-            bad += compare(
-                tree, v, QUICK if args.quick else SELECTION, build / "compare" / v
-            )
-    except bsb.SourceError as exc:
-        print(f"compare_upstream_tests: {exc}", file=sys.stderr)
-        return 2
-    finally:  # back to the tree the README installs
-        if (build / "vllm-0.34.0" / ".git").is_dir():
-            _switch(build / "vllm-0.34.0", "0.34.0")
-    return 1 if bad else 0
+    build = ROOT / "build" / "source"
+
+    def body() -> int:
+        bad = 0
+        try:
+            for v in args.release or ["0.34.0", "0.33.0"]:
+                tree = build / f"vllm-{v}"
+                if not (tree / ".git").is_dir() or not any(
+                    build.glob(f"vllm-{v}-*.whl")
+                ):
+                    raise ToolError(f"no {tree}: run tools/build_source_branch.py")
+                _switch(tree, v)
+                selection = QUICK if args.quick else SELECTION
+                bad += compare(tree, v, selection, build / "compare" / v)
+        finally:  # back to the tree the README installs
+            if (build / "vllm-0.34.0" / ".git").is_dir():
+                _switch(build / "vllm-0.34.0", "0.34.0")
+        return 1 if bad else 0
+
+    return command("compare_upstream_tests", body)
 
 
 if __name__ == "__main__":

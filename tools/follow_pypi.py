@@ -13,7 +13,6 @@ newest supported release's: drifted or not. A newer release never fails it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -25,31 +24,26 @@ from pathlib import Path
 import libcst as cst
 from packaging.version import Version
 
-try:
-    from tools.build_fork_wheel import _fetch
-    from tools.fork_branch import (
-        BranchError,
-        Manifest,
-        Release,
-        load_manifest,
-        source_hash,
-    )
-except ImportError:  # run as `python tools/follow_pypi.py`
-    from build_fork_wheel import _fetch
-    from fork_branch import BranchError, Manifest, Release, load_manifest, source_hash
+from fork_cst import source_hash
+from fork_manifest import Manifest, Release, load_manifest
+from tool_cli import ToolError, command, parser
 
 __all__ = ["drift_report", "main", "supported_problems"]
 
 PYPI = "https://pypi.org/pypi/vllm/json"
 
 
+def _files(pypi: dict, version: str) -> dict[str, str]:
+    return {
+        f["filename"]: f["digests"]["sha256"] for f in pypi["releases"].get(version, [])
+    }
+
+
 def supported_problems(manifest: Manifest, pypi: dict) -> list[str]:
     """Each supported release file whose sha256 PyPI no longer has."""
     out = []
     for v, r in manifest.releases.items():
-        files = {
-            f["filename"]: f["digests"]["sha256"] for f in pypi["releases"].get(v, [])
-        }
+        files = _files(pypi, v)
         for name, sha in ((r.wheel, r.wheel_sha256), (r.sdist, r.sdist_sha256)):
             if files.get(name) != sha:
                 out.append(f"{v}: {name}: PyPI has sha256 {files.get(name)}, not {sha}")
@@ -73,58 +67,57 @@ def drift_report(manifest: Manifest, wheel: Path) -> list[tuple[str, str, str]]:
                 continue
             for name, want in hashes.items():
                 try:
-                    got = source_hash(module, name)
-                except BranchError:
-                    got = None
-                state = (
-                    "gone" if got is None else "unchanged" if got == want else "drifted"
-                )
+                    state = (
+                        "unchanged" if source_hash(module, name) == want else "drifted"
+                    )
+                except ToolError:
+                    state = "gone"
                 out.append((path, name, state))
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="follow_pypi", description=__doc__.split("\n")[0])
+    p = parser(__doc__, releases=False)
     p.add_argument("--json", type=Path, help="PyPI's JSON of vllm (default: fetch it)")
-    p.add_argument(
-        "--wheel", type=Path, help="the newest release's wheel (a local copy)"
-    )
+    p.add_argument("--wheel", type=Path, help="the newest release's wheel (a copy)")
     args = p.parse_args(argv)
-    try:
+
+    def body() -> int:
         manifest = load_manifest()
         if args.json:
             pypi = json.loads(args.json.read_text(encoding="utf-8"))
         else:
             with urllib.request.urlopen(PYPI, timeout=60) as response:
                 pypi = json.load(response)
-        problems = supported_problems(manifest, pypi)
-        latest = pypi["info"]["version"]
+        try:
+            latest = pypi["info"]["version"]
+            problems = supported_problems(manifest, pypi)
+        except (KeyError, TypeError) as exc:
+            raise ToolError(f"PyPI's JSON lacks {exc}") from None
         if latest in manifest.releases:
             print(f"{latest}: supported (the newest on PyPI)")
         else:
             ours = manifest.releases[max(manifest.releases, key=Version)]
             name = ours.wheel.replace(ours.version, latest, 1)
-            files = {f["filename"]: f for f in pypi["releases"].get(latest, [])}
-            if name not in files:
-                raise BranchError(f"PyPI has no {name} for vllm {latest}")
-            sha = files[name]["digests"]["sha256"]
-            release = Release(latest, name, sha, "", "", {})
+            if name not in (files := _files(pypi, latest)):
+                raise ToolError(f"PyPI has no {name} for vllm {latest}")
+            release = Release(latest, name, files[name])
             with tempfile.TemporaryDirectory() as tmp:
-                rows = drift_report(manifest, _fetch(release, args.wheel, Path(tmp)))
+                local = [args.wheel] if args.wheel else []
+                rows = drift_report(manifest, release.fetch("wheel", Path(tmp), local))
             drifted = [f"{n} ({p})" for p, n, s in rows if s != "unchanged"]
             kept = [n for p, n, s in rows if s == "unchanged"]
             print(f"{latest}: not supported yet (the newest supported: {ours.version})")
             print(f"  drifted or gone: {', '.join(drifted) or 'none'}")
             print(f"  unchanged: {', '.join(kept) or 'none'}")
-    except (BranchError, OSError, ValueError, KeyError) as exc:
-        print(f"follow_pypi: error: {exc}", file=sys.stderr)
-        return 2
-    for problem in problems:
-        print(
-            f"follow_pypi: a supported release changed on PyPI: {problem}",
-            file=sys.stderr,
-        )
-    return 1 if problems else 0
+        for problem in problems:
+            print(
+                f"follow_pypi: a supported release changed on PyPI: {problem}",
+                file=sys.stderr,
+            )
+        return 1 if problems else 0
+
+    return command("follow_pypi", body)
 
 
 if __name__ == "__main__":

@@ -4,17 +4,20 @@
 
     python tools/fork_branch.py apply TREE VERSION [--source] [--pr ID ...]
     python tools/fork_branch.py hashes TREE VERSION  # the manifest's sha256 lines
+    python tools/fork_branch.py diff [--release V]   # the PR pages' diff table
 
 Edits are keyed by names and structure and made with libcst; the rest of each
 upstream file stays byte for byte. Before anything is written, the sha256 of
 upstream's own source (whitespace runs collapsed) of every definition the
-branch replaces, edits or relies on is recomputed and compared.
+branch replaces, edits or relies on is recomputed and compared. ``diff``
+counts, per release (build/fork/<V>/upstream, or --tree) and definition the
+branch changes, upstream's lines kept, added and removed (difflib).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -23,50 +26,15 @@ from pathlib import Path
 
 import libcst as cst
 
-try:
-    from tools import fork_cst as fc
-    from tools.fork_manifest import (
-        DEFAULT_MANIFEST,
-        ROOT,
-        BranchError,
-        FileEntry,
-        Manifest,
-        PullRequest,
-        Release,
-        load_manifest,
-    )
-except ImportError:  # run as `python tools/fork_branch.py`
-    import fork_cst as fc
-    from fork_manifest import (
-        DEFAULT_MANIFEST,
-        ROOT,
-        BranchError,
-        FileEntry,
-        Manifest,
-        PullRequest,
-        Release,
-        load_manifest,
-    )
+import fork_cst as fc
+from fork_manifest import FileEntry, Manifest, load_manifest
+from tool_cli import ROOT, ToolError, command, parser
 
-source_hash, definition_source = fc.source_hash, fc.definition_source
+__all__ = ["BEGIN", "END", "BranchReport", "apply_branch", "branch_texts"]
+__all__ += ["diff_rows", "quote", "release_hashes", "render", "top_names"]
 
-__all__ = [
-    "DEFAULT_MANIFEST",
-    "ROOT",
-    "BranchError",
-    "BranchReport",
-    "FileEntry",
-    "Manifest",
-    "PullRequest",
-    "Release",
-    "apply_branch",
-    "branch_texts",
-    "definition_source",
-    "load_manifest",
-    "release_hashes",
-    "source_hash",
-    "top_names",
-]
+#: docs/pr/README.md holds the diff table between these markers.
+BEGIN, END = "<!-- diff-report:begin -->", "<!-- diff-report:end -->"
 
 
 @dataclass
@@ -80,12 +48,10 @@ def _read(path: Path, who: str) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise BranchError(f"{who}: cannot read {path}: {exc}") from None
+        raise ToolError(f"{who}: cannot read {path}: {exc}") from None
 
 
-def _apply_entry(
-    e: FileEntry, text: str, repo: Path, who: str, placed: set, package: str
-):
+def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package):
     """The file's text with the entry applied, and the upstream definitions
     the branch's code in it reads (relied on)."""
     up0 = up = fc.parse(text, who)
@@ -117,12 +83,14 @@ def _apply_entry(
             wanted[n] = b
         elif u != b:
             theirs = "does not define it" if u is None else f"binds it as {u}"
-            raise BranchError(f"{who}: the branch's code reads {n}; upstream {theirs}")
+            raise ToolError(f"{who}: the branch's code reads {n}; upstream {theirs}")
         elif b == ("def",):
             relied.add(n)
     up = fc.add_imports(up, wanted, package)
     if e.replace or e.drop or e.drop_if or e.edits:  # these can leave imports unused
         up = fc.drop_unused_imports(up0, up)
+    if e.drop_if:  # the imports around a dropped `if` become one block
+        up = fc.sort_import_runs(up, package)
     out = up.code
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
 
@@ -137,7 +105,7 @@ def top_names(text: str) -> set[str]:
         elif isinstance(s, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in s.names}
         elif isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = s.targets if isinstance(s, ast.Assign) else [s.target]
+            targets = getattr(s, "targets", [getattr(s, "target", None)])
             names |= {
                 n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
             }
@@ -160,19 +128,15 @@ def _missing_import(path: str, text: str, files: dict, tree: Path, package: str)
         return {"*"} if compiled or (tree / rel).is_dir() else None
 
     for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ImportFrom) and not node.level:
-            if node.module.split(".")[0] != package:
-                continue
-            if (bound := names(node.module)) is None:
-                return f"{path}: imports {node.module}, which the tree lacks"
-            for a in node.names:
-                if (
-                    not {"*", a.name} & bound
-                    and names(f"{node.module}.{a.name}") is None
-                ):
-                    return (
-                        f"{path}: imports {a.name} from {node.module}, which lacks it"
-                    )
+        if not isinstance(node, ast.ImportFrom) or node.level:
+            continue
+        if node.module.split(".")[0] != package:
+            continue
+        if (bound := names(node.module)) is None:
+            return f"{path}: imports {node.module}, which the tree lacks"
+        for a in node.names:
+            if not {"*", a.name} & bound and names(f"{node.module}.{a.name}") is None:
+                return f"{path}: imports {a.name} from {node.module}, which lacks it"
     return None
 
 
@@ -184,17 +148,21 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
     tree, repo = Path(tree), Path(repo)
     entries = manifest.entries(prs, source, version)
     report, hashes, texts, recorded = BranchReport(version), {}, {}, {}
+    placed: dict[str, set[str]] = {}  # top-level names the branch puts in a file
     for e in manifest.files:  # a file's hashes, in whichever of its entries
         recorded.setdefault(e.path, {}).update(e.sha256.get(version, {}))
+        placed.setdefault(e.path, set()).update(
+            q for q in (*e.replace, *e.add) if "." not in q
+        )
 
     def drift(path: str, module: cst.Module, name: str, why: str) -> None:
         who = f"vllm {version}: {path}: {name}"
-        got = hashes.setdefault((path, name), source_hash(module, name, who))
+        got = hashes.setdefault((path, name), fc.source_hash(module, name, who))
         want = recorded[path].get(name)
         if check and want is None:
-            raise BranchError(f"{who}: no sha256 recorded ({why})")
+            raise ToolError(f"{who}: no sha256 recorded ({why})")
         if check and got != want:
-            raise BranchError(
+            raise ToolError(
                 f"{who}: upstream's source changed (sha256 {got[:12]}, the "
                 f"branch was written against {want[:12]})"
             )
@@ -203,18 +171,13 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
         who = f"vllm {version}: {e.path}"
         if (tree / e.path).exists() == e.new:
             there = "already has this file" if e.new else "has no such file"
-            raise BranchError(f"{who}: the release {there}")
+            raise ToolError(f"{who}: the release {there}")
         names = sorted({*e.changed, *e.sha256.get(version, {})})
         if not e.new:
             text = texts.setdefault(e.path, _read(tree / e.path, who))
             module = fc.parse(text, who) if names else None
             for name in names:
                 drift(e.path, module, name, "the branch changes it")
-    placed: dict[str, set[str]] = {}  # top-level names the branch puts in a file
-    for e in manifest.files:
-        placed.setdefault(e.path, set()).update(
-            q for q in (*e.replace, *e.add) if "." not in q
-        )
     for e in entries:
         who = f"vllm {version}: {e.path}"
         if e.new:
@@ -223,12 +186,7 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             continue
         pristine = texts[e.path]
         texts[e.path], relied = _apply_entry(
-            e,
-            texts[e.path],
-            repo,
-            who,
-            placed[e.path],
-            manifest.package,
+            e, pristine, repo, who, placed[e.path], manifest.package
         )
         module = fc.parse(pristine, who) if relied else None
         for name in sorted(relied):
@@ -238,22 +196,17 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             for k in ("replace", "add", "drop", "drop_if", "envs")
             if getattr(e, k)
         ]
-        done += [f"edit {x.inside}" for x in e.edits]
-        report.lines.append(f"{e.path}: {'; '.join(done)}")
+        report.lines.append(
+            f"{e.path}: {'; '.join(done + [f'edit {x.inside}' for x in e.edits])}"
+        )
     bk = manifest.buildkite
     if source and bk and (prs is None or bk["pr"] in prs):
         upto = [p.id for p in manifest.prs]
         upto = upto[: upto.index(bk["pr"]) + 1]
-        paths = sorted(
-            {
-                e.path
-                for e in manifest.entries(upto, version=version)
-                if e.path.startswith("vllm/")
-            }
-        )
+        paths = {e.path for e in manifest.entries(upto, version=version)}
         who = f"vllm {version}: {bk['file']}"
         texts[bk["file"]] = fc.buildkite_dependencies(
-            _read(tree / bk["file"], who), bk["step"], paths, who
+            _read(tree / bk["file"], who), bk["step"], sorted(paths), who
         )
         report.lines.append(f"{bk['file']}: {bk['step']} source_file_dependencies")
     for path, text in texts.items():
@@ -261,22 +214,16 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             try:
                 compile(text, path, "exec", dont_inherit=True)
             except SyntaxError as exc:
-                raise BranchError(
+                raise ToolError(
                     f"vllm {version}: {path}: line {exc.lineno}: {exc.msg}"
                 ) from None
             if problem := _missing_import(path, text, texts, tree, manifest.package):
-                raise BranchError(f"vllm {version}: {problem}")
+                raise ToolError(f"vllm {version}: {problem}")
     return texts, report, hashes
 
 
 def branch_texts(
-    tree: Path,
-    version: str,
-    *,
-    repo: Path = ROOT,
-    prs: Sequence[str] | None = None,
-    source: bool = False,
-    manifest: Manifest | None = None,
+    tree: Path, version: str, *, repo=ROOT, prs=None, source=False, manifest=None
 ) -> dict[str, str]:
     """What :func:`apply_branch` would write (path -> text), nothing written."""
     return _run(tree, version, repo, prs, source, manifest, True)[0]
@@ -294,7 +241,7 @@ def apply_branch(
     """Apply the PRs ``prs`` (None: all, in order) of the branch in ``repo``
     to the unpacked release ``tree`` (with ``source``: also tests/ and
     .buildkite/). Every drift hash is checked and every file built in memory
-    first; then each whole file is replaced atomically. Raises BranchError."""
+    first; then each whole file is replaced atomically. Raises ToolError."""
     texts, report, _ = _run(tree, version, repo, prs, source, manifest, True)
     for path, text in sorted(texts.items()):
         target = Path(tree) / path
@@ -308,37 +255,82 @@ def apply_branch(
     return report
 
 
-def release_hashes(
-    tree: Path, version: str, manifest: Manifest | None = None, source: bool = False
-) -> dict:
+def release_hashes(tree: Path, version: str, manifest=None, source=False) -> dict:
     """{(path, name): sha256} of every definition the branch replaces, edits
     or relies on, in the release ``tree`` (any version; nothing written)."""
     return _run(tree, version, ROOT, None, source, manifest, False)[2]
 
 
+def diff_rows(tree: Path, version: str, texts: dict | None = None) -> list[tuple]:
+    """(version, definition, path, upstream lines, kept, added, removed) per
+    definition the branch replaces or edits, in the manifest's order
+    (``texts``: :func:`branch_texts` of ``tree``, if already made)."""
+    manifest = load_manifest()
+    texts = texts or branch_texts(tree, version, manifest=manifest)
+    rows = []
+    for e in manifest.entries(version=version):
+        up = _read(tree / e.path, e.path) if e.changed else ""
+        for name in e.changed:
+            old = fc.definition_source(up, name, e.path).splitlines()
+            new = fc.definition_source(texts[e.path], name, e.path).splitlines()
+            match = difflib.SequenceMatcher(None, old, new, autojunk=False)
+            kept = sum(b.size for b in match.get_matching_blocks())
+            n_old, n_new = len(old), len(new)
+            rows.append(
+                (version, name, e.path, n_old, kept, n_new - kept, n_old - kept)
+            )
+    return rows
+
+
+def quote(row: tuple) -> str:
+    """How a PR page quotes one row."""
+    v, name, _, n, kept, added, removed = row
+    return f"`{name}` in {v}: {kept} of its {n} lines kept, +{added} -{removed}"
+
+
+def render(rows: list[tuple]) -> str:
+    lines = [
+        "| release | definition (file) | upstream lines | kept | added | removed |"
+    ]
+    lines.append("|---|---|---|---|---|---|")
+    for v, name, path, n, kept, added, removed in rows:
+        file = path.removeprefix("vllm/model_executor/layers/")
+        lines.append(
+            f"| {v} | `{name}` ({file}) | {n} | {kept} | +{added} | -{removed} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="fork_branch", description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=("apply", "hashes"))
-    p.add_argument("tree", type=Path)
-    p.add_argument("version")
+    p = parser(__doc__, releases=False)
+    p.prog = "fork_branch"
+    p.add_argument("command", choices=("apply", "hashes", "diff"))
+    p.add_argument("tree", type=Path, nargs="?", help="the unpacked release")
+    p.add_argument("version", nargs="?", help="its version (apply, hashes)")
     p.add_argument("--source", action="store_true", help="a source tree")
     p.add_argument("--pr", action="append", help="only this PR (repeatable)")
+    p.add_argument("--release", action="append", help="diff: only this release")
     args = p.parse_args(argv)
-    try:
+    if args.command != "diff" and not args.version:
+        p.error(f"{args.command} needs TREE and VERSION")
+
+    def body() -> None:
         if args.command == "hashes":
-            for (path, name), h in sorted(
-                release_hashes(args.tree, args.version, source=args.source).items()
-            ):
+            found = release_hashes(args.tree, args.version, source=args.source)
+            for (path, name), h in sorted(found.items()):
                 print(f'{path}: sha256."{args.version}".{name} = "{h}"')
-        else:
+        elif args.command == "apply":
             report = apply_branch(
                 args.tree, args.version, prs=args.pr, source=args.source
             )
             print("\n".join(report.lines))
-    except BranchError as exc:
-        print(f"fork_branch: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        else:
+            rows = []
+            for v in args.release or list(load_manifest().releases):
+                rows += diff_rows(args.tree or ROOT / f"build/fork/{v}/upstream", v)
+            print(render(rows))
+
+    return command("fork_branch", body)
 
 
 if __name__ == "__main__":

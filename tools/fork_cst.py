@@ -20,34 +20,20 @@ from collections.abc import Sequence
 
 import libcst as cst
 
-try:
-    from tools.fork_manifest import BranchError, Edit
-except ImportError:  # run as a script from tools/
-    from fork_manifest import BranchError, Edit
+from fork_manifest import Edit
+from tool_cli import ToolError
 
-__all__ = [
-    "add_definition",
-    "add_imports",
-    "bindings",
-    "buildkite_dependencies",
-    "code",
-    "definition_source",
-    "drop_unused_imports",
-    "edit",
-    "env_entries",
-    "find",
-    "match",
-    "parse",
-    "reads",
-    "source_hash",
-]
+__all__ = ["add_definition", "add_imports", "bindings", "buildkite_dependencies"]
+__all__ += ["code", "definition_source", "drop_unused_imports", "edit"]
+__all__ += ["env_entries", "find", "match", "parse", "reads", "sort_import_runs"]
+__all__ += ["source_hash"]
 
 
 def parse(text: str, who: str) -> cst.Module:
     try:
         return cst.parse_module(text)
     except cst.ParserSyntaxError as exc:
-        raise BranchError(f"{who}: does not parse: line {exc.raw_line}") from None
+        raise ToolError(f"{who}: does not parse: line {exc.raw_line}") from None
 
 
 def code(node: cst.CSTNode) -> str:
@@ -89,7 +75,7 @@ def find(module: cst.Module, qualname: str, who: str) -> cst.CSTNode:
         ]
         if len(hits) != 1:
             found = "defined twice" if hits else "not found"
-            raise BranchError(f"{who}: {qualname}: {found}")
+            raise ToolError(f"{who}: {qualname}: {found}")
         node = hits[0]
     return node
 
@@ -129,7 +115,7 @@ def match(
         )
         want = _shape(text, statement)
     except (cst.ParserSyntaxError, SyntaxError):
-        raise BranchError(f"{who}: {text!r} does not parse") from None
+        raise ToolError(f"{who}: {text!r} does not parse") from None
     hits: list[cst.CSTNode] = []
 
     class _Visit(cst.CSTVisitor):
@@ -141,7 +127,7 @@ def match(
 
     node.visit(_Visit())
     if len(hits) != 1:
-        raise BranchError(f"{who}: {text!r} matches {len(hits)} places, not 1")
+        raise ToolError(f"{who}: {text!r} matches {len(hits)} places, not 1")
     return hits[0]
 
 
@@ -189,9 +175,6 @@ class _Swap(cst.CSTTransformer):
 
     def on_leave(self, old, new):
         return self.swaps.get(id(old), new)
-
-
-# -------------------------------------------------------------------- imports
 
 
 def _type_checking(module: cst.Module) -> cst.If | None:
@@ -313,6 +296,45 @@ def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
     return module
 
 
+def _is_import(s: cst.CSTNode) -> bool:
+    return isinstance(s, cst.SimpleStatementLine) and isinstance(
+        s.body[0], (cst.Import, cst.ImportFrom)
+    )
+
+
+def sort_import_runs(module: cst.Module, package: str) -> cst.Module:
+    """Each run of module-level import lines (one a dropped module-level
+    ``if`` can make of two) as ruff's isort orders one, where it does not
+    already: sections apart by one blank line, comments kept."""
+    body, out = list(module.body), []
+    while body:
+        run = []
+        while body and _is_import(body[0]):
+            run.append(body.pop(0))
+        if not run:
+            out.append(body.pop(0))
+            continue
+        keys = [_sort_key(s, package) for s in run]
+        gaps = [any(not ln.comment for ln in s.leading_lines) for s in run[1:]]
+        apart = [a[0] != b[0] for a, b in zip(keys[:-1], keys[1:], strict=True)]
+        if keys == sorted(keys) and gaps == apart:
+            out += run
+            continue
+        ordered = sorted(run, key=lambda s: _sort_key(s, package))
+        for k, s in enumerate(ordered):
+            notes = [ln for ln in s.leading_lines if ln.comment]
+            if k == 0:
+                blank = [ln for ln in run[0].leading_lines if not ln.comment]
+                lead = (blank if out else []) + notes  # first: the header's
+            else:
+                apart = (
+                    _sort_key(s, package)[0] != _sort_key(ordered[k - 1], package)[0]
+                )
+                lead = [cst.EmptyLine(indent=False)] * apart + notes
+            out.append(s.with_changes(leading_lines=lead))
+    return module.with_changes(body=out)
+
+
 def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
     """Remove the imported names upstream's file read and the edited one no
     longer does (``__all__``'s strings count as reads)."""
@@ -337,9 +359,6 @@ def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
     return after.visit(_Swap(swaps))
 
 
-# ---------------------------------------------------------------------- edits
-
-
 def add_definition(
     up: cst.Module, br: cst.Module, qualname: str, who: str
 ) -> cst.Module:
@@ -352,7 +371,7 @@ def add_definition(
     u_body, b_names = list(_body(u_parent)), _names_of(_body(b_parent))
     u_names = _names_of(u_body)
     if name in u_names:
-        raise BranchError(f"{who}: {qualname}: upstream defines it: replace it")
+        raise ToolError(f"{who}: {qualname}: upstream defines it: replace it")
     i = [s is node for s in _body(b_parent)].index(True)
     later = [u_names.index(n) for n in b_names[i + 1 :] if n in u_names]
     earlier = [u_names.index(n) + 1 for n in b_names[:i] if n in u_names]
@@ -394,7 +413,7 @@ def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
     els, want = list(getattr(within, "elements", ())), _shape(e.anchor, False)
     idx = [i for i, el in enumerate(els) if _shape(code(el.value), False) == want]
     if not isinstance(within, (cst.List, cst.Tuple, cst.Set)) or len(idx) != 1:
-        raise BranchError(f"{who}: {e.anchor!r} is not once an element of {e.within!r}")
+        raise ToolError(f"{who}: {e.anchor!r} is not once an element of {e.within!r}")
     gone = els.pop(idx[0])
     if idx[0] == len(els) and els:  # it was last: the new last takes its comma
         els[-1] = els[-1].with_changes(comma=gone.comma)
@@ -405,26 +424,23 @@ def _env_parts(text: str, who: str) -> tuple:
     """(the ``environment_variables`` dict, its entries by name, the
     ``if TYPE_CHECKING:`` block, its annotations by name), by ast."""
     body = ast.parse(text).body
-    assigns = [s for s in body if isinstance(s, (ast.Assign, ast.AnnAssign))]
-    targets = [(getattr(s, "target", None) or s.targets[0], s.value) for s in assigns]
-    named = [v for t, v in targets if getattr(t, "id", "") == "environment_variables"]
-    d = named[0] if named else None
-    tc = next(
-        (
-            s
-            for s in body
-            if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
-        ),
-        None,
-    )
-    if not isinstance(d, ast.Dict) or tc is None:
-        raise BranchError(
-            f"{who}: no environment_variables dict or TYPE_CHECKING block"
-        )
+    named = [
+        s.value
+        for s in body
+        if isinstance(s, (ast.Assign, ast.AnnAssign))
+        and "environment_variables"
+        in {ast.unparse(t) for t in getattr(s, "targets", [getattr(s, "target", None)])}
+    ]
+    tc = [
+        s
+        for s in body
+        if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
+    ]
+    if not named or not isinstance(named[0], ast.Dict) or not tc:
+        raise ToolError(f"{who}: no environment_variables dict or TYPE_CHECKING block")
+    d, tc = named[0], tc[0]
     entries = {
-        k.value: (k, v)
-        for k, v in zip(d.keys, d.values, strict=True)
-        if isinstance(k, ast.Constant)
+        getattr(k, "value", None): (k, v) for k, v in zip(d.keys, d.values, strict=True)
     }
     anns = {ast.unparse(s.target): s for s in tc.body if isinstance(s, ast.AnnAssign)}
     return d, entries, tc, anns
@@ -442,8 +458,8 @@ def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
     for n in names:
         if n in ukeys or n not in bkeys or n not in banns:
             where = "upstream has" if n in ukeys else "the branch's file lacks"
-            raise BranchError(f"{who}: {where} {n} or its annotation")
-        key, value = bkeys[n]
+            raise ToolError(f"{who}: {where} {n} or its annotation")
+        (key, value) = bkeys[n]
         first = key.lineno
         while bl[first - 2].lstrip().startswith("#"):
             first -= 1
@@ -451,7 +467,7 @@ def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
         anns += bl[banns[n].lineno - 1 : banns[n].end_lineno]
     last = ud.values[-1]
     if not ul[last.end_lineno - 1][last.end_col_offset :].lstrip().startswith(","):
-        raise BranchError(f"{who}: upstream's last environment variable has no comma")
+        raise ToolError(f"{who}: upstream's last environment variable has no comma")
     ul[ud.end_lineno - 1 : ud.end_lineno - 1] = entries
     ul[utc.end_lineno : utc.end_lineno] = anns
     return "".join(ul)
@@ -463,7 +479,7 @@ def buildkite_dependencies(text: str, step: str, paths: Sequence[str], who: str)
     lines = text.splitlines(keepends=True)
     keys = [i for i, s in enumerate(lines) if s.strip() == f"key: {step}"]
     if len(keys) != 1:
-        raise BranchError(f"{who}: step {step} found {len(keys)} times, not once")
+        raise ToolError(f"{who}: step {step} found {len(keys)} times, not once")
     indent = lines[keys[0]][: -len(lines[keys[0]].lstrip())]
     i = keys[0] + 1
     while i < len(lines) and lines[i].startswith(indent):
@@ -471,7 +487,7 @@ def buildkite_dependencies(text: str, step: str, paths: Sequence[str], who: str)
             break
         i += 1
     else:
-        raise BranchError(f"{who}: step {step} has no source_file_dependencies")
+        raise ToolError(f"{who}: step {step} has no source_file_dependencies")
     deps, i = [], i + 1
     while i < len(lines) and lines[i].startswith(f"{indent}- "):
         deps.append(lines[i].strip()[2:].strip().rstrip("/"))

@@ -1,35 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""tools/fork_manifest.toml read and checked: releases, the PR series, and what
-each PR does to each of vLLM's files (the format: the comment at its top)."""
+"""tools/fork_manifest.toml read and checked: releases (their PyPI files
+fetched and sha256-checked), the PR series, and what each PR does to each of
+vLLM's files (the format: the comment at the manifest's top)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomllib
 
-__all__ = [
-    "DEFAULT_MANIFEST",
-    "ROOT",
-    "BranchError",
-    "Edit",
-    "FileEntry",
-    "Manifest",
-    "PullRequest",
-    "Release",
-    "load_manifest",
-]
+from tool_cli import ROOT, ToolError, run
 
-ROOT = Path(__file__).resolve().parents[1]
+__all__ = ["DEFAULT_MANIFEST", "Edit", "FileEntry", "Manifest", "Release"]
+__all__ += ["load_manifest", "sha256"]
+
 DEFAULT_MANIFEST = ROOT / "tools" / "fork_manifest.toml"
 _EDITS = ("insert_before", "insert_after", "replace", "remove")
 
 
-class BranchError(ValueError):
-    """The branch cannot be applied; one line naming release, file, definition."""
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -37,9 +35,47 @@ class Release:
     version: str
     wheel: str
     wheel_sha256: str
-    sdist: str
-    sdist_sha256: str
-    requirements: dict[str, str]
+    sdist: str = ""
+    sdist_sha256: str = ""
+    requirements: dict[str, str] = field(default_factory=dict)
+
+    def fetch(self, kind: str, out: Path, local: Sequence[Path] = ()) -> Path:
+        """``out/<its wheel or sdist>`` with the manifest's sha256: kept from
+        an earlier run, else copied from the first of ``local`` (files or
+        folders) that has it, else downloaded with pip. Our copy of a file
+        with another sha256 is deleted; the source is left as it is."""
+        name, want = getattr(self, kind), getattr(self, f"{kind}_sha256")
+        target, source = out / name, "pip download"
+        if target.is_file() and sha256(target) != want:
+            target.unlink()  # an interrupted or broken download
+        hits = [p / name if p.is_dir() else p for p in map(Path, local)]
+        if hit := next((p for p in hits if p.name == name and p.is_file()), None):
+            source = str(hit)
+            out.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(hit, target.with_suffix(".part"))
+            os.replace(target.with_suffix(".part"), target)
+        if not target.is_file():
+            print(f"downloading {name} with pip", flush=True)
+            cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
+            cmd += ["-d", str(out), f"vllm=={self.version}"]
+            if kind == "sdist":  # pip runs setup.py (torch) for the metadata
+                cmd += ["--no-binary", ":all:", "--no-build-isolation"]
+            else:
+                tag = name.removesuffix(".whl").split("-")  # ...-cp38-abi3-plat
+                cmd += ["--only-binary", ":all:", "--implementation", "cp"]
+                cmd += ["--python-version", tag[-3][2:], "--abi", tag[-2]]
+                cmd += ["--platform", tag[-1], "--ignore-requires-python"]
+            env = {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": self.version}
+            run(cmd, f"pip download vllm=={self.version}", env=env)
+        if not target.is_file():
+            raise ToolError(f"pip download vllm=={self.version} wrote no {target}")
+        if (got := sha256(target)) != want:
+            target.unlink()
+            raise ToolError(
+                f"{name} ({source}): sha256 {got}, expected {want} (the "
+                f"manifest's for vllm {self.version}); not used"
+            )
+        return target
 
 
 @dataclass(frozen=True)
@@ -47,7 +83,7 @@ class PullRequest:
     id: str
     title: str
     doc: str
-    new: tuple[str, ...]
+    new: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,20 +139,17 @@ class Manifest:
     def release(self, version: str) -> Release:
         if version not in self.releases:
             supported = ", ".join(self.releases)
-            raise BranchError(f"vllm {version} is not supported ({supported} are)")
+            raise ToolError(f"vllm {version} is not supported ({supported} are)")
         return self.releases[version]
 
     def entries(
-        self,
-        prs: Sequence[str] | None = None,
-        source: bool = False,
-        version: str | None = None,
+        self, prs: Sequence[str] | None = None, source=False, version=None
     ) -> list[FileEntry]:
         """The entries of ``prs`` (None: all), in order; tests/ and .buildkite/
         paths only for a source tree; with ``version``, only that release's."""
         known = [p.id for p in self.prs]
         if unknown := set(prs or ()) - set(known):
-            raise BranchError(f"no PR {sorted(unknown)[0]!r} (the series: {known})")
+            raise ToolError(f"no PR {sorted(unknown)[0]!r} (the series: {known})")
         return [
             e
             for e in self.files
@@ -126,12 +159,16 @@ class Manifest:
         ]
 
 
-def _table(d: object, where: str, need: set[str], may: set[str]) -> dict:
+def _table(d: object, where: str, need: set[str], may: frozenset = frozenset()) -> dict:
     if not isinstance(d, dict):
-        raise BranchError(f"{where}: must be a table")
+        raise ToolError(f"{where}: must be a table")
     if bad := sorted(need - d.keys()) or sorted(d.keys() - need - may):
-        raise BranchError(f"{where}: missing or unknown key {bad[0]!r}")
+        raise ToolError(f"{where}: missing or unknown key {bad[0]!r}")
     return d
+
+
+_FILE_KEYS = {"src", "new", "replace", "add", "drop", "drop_if", "edits", "envs"}
+_FILE_KEYS |= {"sha256", "releases"}
 
 
 def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
@@ -139,56 +176,43 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise BranchError(f"{path}: {exc}") from None
+        raise ToolError(f"{path}: {exc}") from None
     need = {"package", "local_label", "releases", "prs"}
     top = _table(data, Path(path).name, need, {"files", "buildkite"})
-    releases = {}
-    for v, r in top["releases"].items():
-        keys = {"wheel", "wheel_sha256", "sdist", "sdist_sha256", "requirements"}
-        releases[v] = Release(v, **_table(r, f"releases.{v}", keys, set()))
+    keys = {"wheel", "wheel_sha256", "sdist", "sdist_sha256", "requirements"}
+    releases = {
+        v: Release(v, **_table(r, f"releases.{v}", keys))
+        for v, r in top["releases"].items()
+    }
     prs, files = [], []
     for p in top["prs"]:
         p = _table(p, "prs", {"id", "title", "doc"}, {"new"})
         prs.append(PullRequest(p["id"], p["title"], p["doc"], tuple(p.get("new", ()))))
         files += [FileEntry(f, p["id"], f, new=True) for f in p.get("new", ())]
     order = [p.id for p in prs]
-    may = {"src", "new", "replace", "add", "drop", "drop_if", "edits", "envs", "sha256"}
-    may.add("releases")
     for f in top.get("files", ()):
-        f = _table(f, "files", {"path", "pr"}, may)
+        f = _table(f, "files", {"path", "pr"}, _FILE_KEYS)
         if f["pr"] not in order:
-            raise BranchError(f"files {f['path']}: no PR {f['pr']!r}")
+            raise ToolError(f"files {f['path']}: no PR {f['pr']!r}")
+        if unknown := set(f.get("releases", ())) - set(releases):
+            raise ToolError(f"files {f['path']}: no release {sorted(unknown)[0]}")
         edits = []
         for e in f.get("edits", ()):
-            kind = [k for k in _EDITS if k in e][:1] or ["insert_before"]
-            e = _table(
-                e, f"files {f['path']}", {"in", kind[0]}, {"code", "take", "within"}
-            )
+            kind = next((k for k in _EDITS if k in e), "insert_before")
+            where, may = f"files {f['path']}", {"code", "take", "within"}
+            e = _table(e, where, {"in", kind}, may)
             args = (e.get("code", ""), e.get("take", ""), e.get("within", ""))
-            edits.append(Edit(kind[0], e["in"], e[kind[0]], *args))
-        lists = [tuple(f.get(k, ())) for k in ("replace", "add", "drop")]
-        src, envs = f.get("src", f["path"]), tuple(f.get("envs", ()))
-        sha, only = f.get("sha256", {}), tuple(f.get("releases", ()))
-        if unknown := set(only) - set(releases):
-            raise BranchError(f"files {f['path']}: no release {sorted(unknown)[0]}")
+            edits.append(Edit(kind, e["in"], e[kind], *args))
+        lists = {k: tuple(f.get(k, ())) for k in _FILE_KEYS - {"src", "new"}}
+        lists |= {"edits": tuple(edits), "sha256": f.get("sha256", {})}
         files.append(
             FileEntry(
-                f["path"],
-                f["pr"],
-                src,
-                bool(f.get("new")),
-                *lists,
-                tuple(edits),
-                envs,
-                sha,
-                only,
-                tuple(f.get("drop_if", ())),
+                f["path"], f["pr"], f.get("src", f["path"]), bool(f.get("new")), **lists
             )
         )
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed
-    bk = top.get("buildkite")
-    if bk is not None:
-        _table(bk, "buildkite", {"pr", "file", "step"}, set())
+    if (bk := top.get("buildkite")) is not None:
+        _table(bk, "buildkite", {"pr", "file", "step"})
     return Manifest(
         top["package"], top["local_label"], releases, tuple(prs), tuple(files), bk
     )

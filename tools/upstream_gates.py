@@ -16,19 +16,17 @@ Prints each gate and its new findings; exit 1 if one fails, 2 on an error.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 
-try:
-    from tools import build_source_branch as bsb
-except ImportError:  # run as `python tools/upstream_gates.py`
-    import build_source_branch as bsb
+import build_source_branch as bsb
+from tool_cli import ROOT, ToolError, command, parser
 
 __all__ = ["HOOKS", "STEP", "gates"]
 
@@ -107,24 +105,27 @@ def gates(tree: Path, version: str) -> list[tuple[str, list[str], int]]:
     return [*results, ("Signed-off-by", unsigned, 0), (f"{STEP[1]} deps", missed, 0)]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--release", action="append", help="default: 0.34.0, 0.33.0")
-    failed = 0
-    try:
-        for v in p.parse_args(argv).release or ["0.34.0", "0.33.0"]:
-            tree = bsb.ROOT / "build" / "source" / f"vllm-{v}"
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser(__doc__).parse_args(argv)
+
+    def body() -> int:
+        failed = 0
+        for v in args.release or ["0.34.0", "0.33.0"]:
+            tree = ROOT / "build" / "source" / f"vllm-{v}"
             if not (tree / ".git").is_dir():
-                raise bsb.SourceError(f"no {tree}: run tools/build_source_branch.py")
-            for name, new, old in gates(tree, v):
+                raise ToolError(f"no {tree}: run tools/build_source_branch.py")
+            try:
+                found = gates(tree, v)
+            except yaml.YAMLError as exc:
+                raise ToolError(f"{tree / STEP[0]}: {exc}") from None
+            for name, new, old in found:
                 failed += bool(new)
                 also = f" ({old} lines also at the tag: upstream's)" if old else ""
                 print(f"vllm {v} {name}: {'FAILED' if new else 'passed'}{also}")
                 print("".join(f"    {line}\n" for line in new), end="", flush=True)
-    except (bsb.SourceError, OSError, ValueError, yaml.YAMLError) as exc:
-        print(f"upstream_gates: {exc}", file=sys.stderr)
-        return 2
-    return 1 if failed else 0
+        return 1 if failed else 0
+
+    return command("upstream_gates", body)
 
 
 if __name__ == "__main__":

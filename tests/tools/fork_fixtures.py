@@ -11,7 +11,8 @@ from pathlib import Path
 
 import libcst as cst
 
-from tools.fork_branch import load_manifest, source_hash
+from fork_cst import source_hash
+from fork_manifest import load_manifest
 
 __all__ = ["UPSTREAM", "BRANCH", "Toy", "dedent", "make_toy"]
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.fork_branch import ROOT, branch_texts
+from fork_branch import branch_texts
+from tool_cli import ROOT
 
 __all__ = ["ENV", "release_texts", "release_tree"]
 

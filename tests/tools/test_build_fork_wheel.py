@@ -9,9 +9,10 @@ import zipfile
 import pytest
 
 from tests.tools.fork_fixtures import Toy, sha256
-from tools import build_fork_wheel
-from tools.build_fork_wheel import build_release, main, rewrite_metadata
-from tools.fork_branch import BranchError
+
+import build_fork_wheel
+from build_fork_wheel import build_release, main, rewrite_metadata
+from tool_cli import ToolError
 
 NAME = "vllm-1.0.0+fork-py3-none-any.whl"
 
@@ -74,7 +75,8 @@ def test_two_builds_give_the_same_bytes(toy):
 def test_a_wrong_sha256_is_refused_and_nothing_is_left(toy):
     with toy.release_wheel.open("ab") as f:
         f.write(b"\0")
-    with pytest.raises(BranchError, match=r"sha256 [0-9a-f]{64}, not vllm 1\.0\.0's"):
+    want = r"sha256 [0-9a-f]{64}, expected [0-9a-f]{64} \(the manifest's for vllm 1"
+    with pytest.raises(ToolError, match=want):
         _build(toy)
     assert _finished(toy) == []
 
@@ -83,7 +85,7 @@ def test_drift_stops_the_build_naming_release_file_definition(toy, monkeypatch):
     # a one-line change in a copy of the release (its sha256 recorded)
     toy.release_wheel = toy.wheel(toy.root / "wheels", plant=("w4a4", "w4a8"))
     with pytest.raises(
-        BranchError, match="vllm 1.0.0: vllm/ops.py: pick: upstream's source changed"
+        ToolError, match="vllm 1.0.0: vllm/ops.py: pick: upstream's source changed"
     ):
         _build(toy)
     assert _finished(toy) == []
@@ -164,5 +166,5 @@ def test_metadata_rewrite_keeps_everything_else():
     new = rewrite_metadata(text, "0.34.0+nvfp4moe", pin)
     expected = text.replace("0.7.3", "0.7.4")
     assert new == expected.replace("Version: 0.34.0", "Version: 0.34.0+nvfp4moe")
-    with pytest.raises(BranchError, match="no Requires-Dist on torch"):
+    with pytest.raises(ToolError, match="no Requires-Dist on torch"):
         rewrite_metadata(text, "1", {"torch": "torch==2"})

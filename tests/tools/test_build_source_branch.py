@@ -20,7 +20,9 @@ import pytest
 if shutil.which("git") is None:
     pytest.skip("git is not installed", allow_module_level=True)
 
-from tools import build_source_branch as bsb  # noqa: E402
+import build_source_branch as bsb  # noqa: E402
+from fork_manifest import Release  # noqa: E402
+from tool_cli import ROOT, ToolError  # noqa: E402
 
 V = "9.9.0"
 SDIST_FILES = {
@@ -80,12 +82,12 @@ def env(tmp_path):
     for pr in ("one", "two"):
         page = f"# {pr}\n\nWhat PR {pr} does, and why: 2 MiB, not 288.\n"
         (repo / f"docs/pr/{pr}.md").write_text(page)
-    release = SimpleNamespace(
-        version=V,
-        sdist=sdist.name,
-        sdist_sha256=hashlib.sha256(sdist.read_bytes()).hexdigest(),
+    release = Release(
+        V,
         wheel="vllm-9.9.0-py3-none-any.whl",
         wheel_sha256=hashlib.sha256(WHEEL).hexdigest(),
+        sdist=sdist.name,
+        sdist_sha256=hashlib.sha256(sdist.read_bytes()).hexdigest(),
     )
     prs = [
         SimpleNamespace(id=p, title=f"[MoE] PR {p}", doc=f"docs/pr/{p}.md")
@@ -165,7 +167,7 @@ def test_another_sha256_is_refused_and_the_file_kept(env):
     _sdist(sdist, {**SDIST_FILES, "vllm/a.py": b"tampered\n"})
     before = sdist.read_bytes()
     with pytest.raises(
-        bsb.SourceError,
+        ToolError,
         match=r"vllm-9\.9\.0\.tar\.gz \(.*local.*\): sha256 [0-9a-f]{64}, expected",
     ):
         _build(env)
@@ -207,7 +209,7 @@ def test_a_tree_changed_by_hand_is_refused_kept_and_fresh_restarts(env, change):
         "commit": "commits not made",
         "branch": "has mine checked out",
     }[change]
-    with pytest.raises(bsb.SourceError, match=f"{why}.*kept as they are.*--fresh"):
+    with pytest.raises(ToolError, match=f"{why}.*kept as they are.*--fresh"):
         _build(env)
     assert _git(tree, "rev-parse", "HEAD") == head
     assert change == "branch" or "my work" in "".join(
@@ -223,7 +225,7 @@ def test_a_folder_that_is_not_our_git_tree_is_refused(env):
     tree.mkdir(parents=True)
     (tree / "notes.txt").write_text("mine")
     with pytest.raises(
-        bsb.SourceError, match="not a git tree this made; kept as they are.*--fresh"
+        ToolError, match="not a git tree this made; kept as they are.*--fresh"
     ):
         _build(env)
     assert (tree / "notes.txt").read_text() == "mine"
@@ -259,7 +261,7 @@ def test_an_interrupted_first_run_leaves_no_branch_and_unpacks_whole(env, monkey
 
 
 def test_a_pr_that_does_not_compile_stops_before_the_branch_moves(env):
-    with pytest.raises(bsb.SourceError, match=r"PR one: vllm/a\.py does not compile"):
+    with pytest.raises(ToolError, match=r"PR one: vllm/a\.py does not compile"):
         _build(env, apply=_engine(broken_at="one"))
     assert _git(env.build / f"vllm-{V}", "branch", "--list", bsb.BRANCH) == ""
 
@@ -268,13 +270,13 @@ def test_no_git_and_too_little_disk_are_one_line_errors(monkeypatch, capsys, tmp
     monkeypatch.setattr(bsb.shutil, "which", lambda name: None)
     assert bsb.main(["--no-install"]) == 2
     err = capsys.readouterr().err
-    assert err == f"build_source_branch: git is not installed; {GIT_TREES}\n"
+    assert err == f"build_source_branch: error: git is not installed; {GIT_TREES}\n"
     monkeypatch.undo()
     monkeypatch.setattr(
         bsb.shutil, "disk_usage", lambda p: SimpleNamespace(free=1 << 30)
     )
     with pytest.raises(
-        bsb.SourceError,
+        ToolError,
         match=r"1\.0 GiB free under .*, about 4\.8 GiB needed: 2 source trees "
         r"with git, sdists and wheels \(900 MiB each\), the venv",
     ):
@@ -290,10 +292,10 @@ def test_no_git_and_too_little_disk_are_one_line_errors(monkeypatch, capsys, tmp
     ],
 )
 def test_the_readmes_commands_are_one_line_and_name_files_that_exist(marker, tool):
-    text = (bsb.ROOT / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     block = text.split(f"<!-- {marker} -->\n```bash\n", 1)[1].split("```", 1)[0]
     (command,) = block.strip().splitlines()
     assert command.split(" && ")[-1] == tool
     for requirements in re.findall(r"-r (\S+)", command):
-        assert (bsb.ROOT / requirements).is_file(), requirements
-    assert (bsb.ROOT / tool.split()[-1]).is_file()
+        assert (ROOT / requirements).is_file(), requirements
+    assert (ROOT / tool.split()[-1]).is_file()

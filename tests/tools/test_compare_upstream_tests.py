@@ -4,13 +4,14 @@
 call's outcome, CUDA-only teardown errors aside) and its verdict per test id,
 on junit files pytest itself writes."""
 
+import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from tools.compare_upstream_tests import outcomes, regressions
+from compare_upstream_tests import compare, outcomes, regressions
 
 TESTS = """
 import pytest
@@ -94,3 +95,45 @@ def test_which_changes_are_regressions(before, after, regression):
     rev = {} if after == "absent" else {"t": after}
     (line,) = regressions({**tag, "same": "passed"}, {**rev, "same": "passed"})
     assert line == f"{'!' if regression else ' '} t: {before} -> {after}"
+
+
+def _commit(tree, files: dict[str, str], message: str) -> None:
+    for name, text in files.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(textwrap.dedent(text))
+    who = ["-c", "user.name=T", "-c", "user.email=t@x", "-c", "commit.gpgsign=false"]
+    for args in (["add", "-A"], [*who, "commit", "-qm", message]):
+        subprocess.run(["git", "-C", str(tree), *args], check=True)
+
+
+@pytest.mark.parametrize("broken", [None, "own", "upstream"])
+def test_a_series_is_compared_on_its_tree_at_the_tag_and_on_the_branch(
+    tmp_path, capsys, broken
+):
+    """A tiny source tree: a tag, a commit with a test of its own, the tip;
+    ``broken`` names the test the series breaks."""
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    tree = tmp_path / "vllm-9.9.0"
+    subprocess.run(["git", "init", "-q", "-b", "main", str(tree)], check=True)
+    _commit(tree, {"tests/test_up.py": "def test_up():\n    pass\n"}, "release")
+    subprocess.run(["git", "-C", str(tree), "tag", "v9.9.0"], check=True)
+    own = "assert False" if broken == "own" else "pass"
+    _commit(tree, {"tests/test_own.py": f"def test_own():\n    {own}\n"}, "PR 1")
+    up = "assert False" if broken == "upstream" else "pass  # PR 2 edits it"
+    _commit(tree, {"tests/test_up.py": f"def test_up():\n    {up}\n"}, "PR 2")
+    subprocess.run(["git", "-C", str(tree), "branch", "nvfp4moe"], check=True)
+    bad = compare(tree, "9.9.0", ["test_up.py"], tmp_path / "out")
+    said = capsys.readouterr().out
+    # a failing own test counts at its commit and, new and failing, at the tip
+    assert bad == {None: 0, "own": 2, "upstream": 1}[broken], said
+    assert "commit 1" in said and "its own 1 tests: " in said
+    if broken == "upstream":
+        assert "! test_up::test_up: passed -> failed" in said
+    if broken == "own":  # at the tip, test_own is new and failing too
+        assert "! test_own::test_own: failed" in said
+    assert subprocess.run(
+        ["git", "-C", str(tree), "symbolic-ref", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip() in ("nvfp4moe", "main")

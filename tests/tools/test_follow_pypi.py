@@ -11,8 +11,9 @@ import zipfile
 import pytest
 
 from tests.tools.fork_fixtures import UPSTREAM, Toy
-from tools.follow_pypi import drift_report, main
-from tools.fork_branch import load_manifest
+
+from follow_pypi import drift_report, main
+from fork_manifest import load_manifest
 
 
 def _pypi(latest: str, tamper: str = "") -> dict:
@@ -62,7 +63,7 @@ def test_a_newer_release_is_reported_and_never_fails(tmp_path, capsys):
     # a wheel with other bytes than PyPI's is refused
     pypi["releases"]["0.35.0"][0]["digests"]["sha256"] = "1" * 64
     code, out = _run(tmp_path, capsys, pypi, "--wheel", str(wheel))
-    assert code == 2 and "not vllm 0.35.0's" in out.err
+    assert code == 2 and "(the manifest's for vllm 0.35.0); not used" in out.err
 
 
 @pytest.mark.parametrize(

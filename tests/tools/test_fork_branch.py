@@ -10,8 +10,11 @@ import libcst as cst
 import pytest
 
 from tests.tools.fork_fixtures import BUILDKITE, FILES, UPSTREAM, Toy, dedent
-from tools.fork_branch import BranchError, apply_branch, load_manifest, main
-from tools.fork_cst import add_imports
+
+from fork_branch import apply_branch, main
+from fork_cst import add_imports
+from fork_manifest import load_manifest
+from tool_cli import ToolError
 
 OPS = dedent('''
     """Upstream's ops."""
@@ -143,7 +146,7 @@ def test_same_inputs_give_the_same_bytes(toy):
 
 def _refused(toy, match, **kwargs):
     before = toy.snapshot()
-    with pytest.raises(BranchError, match=match) as info:
+    with pytest.raises(ToolError, match=match) as info:
         _apply(toy, **kwargs)
     assert "\n" not in str(info.value)
     assert toy.snapshot() == before, "a refused apply wrote something"
@@ -178,7 +181,7 @@ def test_whitespace_alone_is_not_drift(toy):
 
 def test_an_unknown_release_is_refused_with_the_supported_list(toy):
     with pytest.raises(
-        BranchError, match=r"vllm 9\.9\.9 is not supported \(1\.0\.0 are\)"
+        ToolError, match=r"vllm 9\.9\.9 is not supported \(1\.0\.0 are\)"
     ):
         apply_branch(toy.tree, "9.9.9", repo=toy.repo, manifest=toy.manifest)
 
@@ -288,7 +291,7 @@ def test_envs_refuses_a_variable_upstream_has(toy):
 
 def test_an_unknown_pr_is_refused(toy):
     with pytest.raises(
-        BranchError, match=r"no PR 'third' \(the series: \['first', 'second'\]\)"
+        ToolError, match=r"no PR 'third' \(the series: \['first', 'second'\]\)"
     ):
         _apply(toy, prs=["third"])
 
@@ -305,7 +308,7 @@ def test_an_unknown_pr_is_refused(toy):
     ],
 )
 def test_the_manifest_is_checked(toy, edit, match):
-    with pytest.raises(BranchError, match=match):
+    with pytest.raises(ToolError, match=match):
         toy.write_manifest(edit, hashes=False)
 
 
@@ -327,7 +330,7 @@ def test_an_entry_for_some_releases_only(toy):
     toy.write_manifest(FILES + extra.replace("RELEASE", "1.0.0"))
     _apply(toy)
     assert (toy.tree / "vllm/only_new.py").is_file()
-    with pytest.raises(BranchError, match="no release 2.0.0"):
+    with pytest.raises(ToolError, match="no release 2.0.0"):
         toy.write_manifest(FILES + extra.replace("RELEASE", "2.0.0"))
     # a release the manifest has, but not this one: the entry is left out
     other = Toy(toy.root / "other")

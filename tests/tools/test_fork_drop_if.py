@@ -6,7 +6,9 @@ structure exactly once, the imports only they read removed with them."""
 
 import pytest
 
-from tools.fork_branch import BranchError, apply_branch, load_manifest
+from fork_branch import apply_branch
+from fork_manifest import load_manifest
+from tool_cli import ToolError
 
 UPSTREAM = """import pytest
 
@@ -15,11 +17,14 @@ from vllm.platforms import current_platform
 if not current_platform.is_sm120():
     pytest.skip(reason="SM120 only", allow_module_level=True)
 
+# fast_op needs the platform checked first
 from vllm.kernels import fast_op
+import os
+from tests.helpers import helper
 
 
 def test_op():
-    assert fast_op(1) == 2
+    assert fast_op(1) == 2 and os and helper
 
 
 if __name__ == "__main__":
@@ -47,6 +52,7 @@ def _manifest(path, tests) -> None:
 )
 def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
     (tmp_path / "tree/tests").mkdir(parents=True)
+    (tmp_path / "tree/tests/helpers.py").write_text("helper = None\n")
     for mod in ("platforms", "kernels"):
         (tmp_path / f"tree/vllm/{mod}").mkdir(parents=True)
         names = "current_platform = fast_op = None\n"
@@ -65,9 +71,15 @@ def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
     )
     text = (tmp_path / "tree/tests/test_op.py").read_text()
     assert "current_platform" not in text and "__main__" not in text
-    assert "from vllm.kernels import fast_op" in text and "def test_op" in text
+    # the two import blocks are one now, as ruff's isort orders it
+    head = text.split("\n\n\ndef test_op", 1)[0]
+    assert head == (
+        "import os\n\nfrom tests.helpers import helper\n"
+        "# fast_op needs the platform checked first\n"
+        "from vllm.kernels import fast_op"
+    )
     _manifest(m, ["not current_platform.is_sm121()"])
-    with pytest.raises(BranchError, match="matches 0 places"):
+    with pytest.raises(ToolError, match="matches 0 places"):
         apply_branch(
             tmp_path / "tree",
             "1.0.0",

@@ -6,7 +6,7 @@ passes, each kind of incompatibility is reported with the object's path."""
 import pytest
 
 from tests.tools.fork_fixtures import dedent
-from tools.fork_interfaces import differences, importer_differences
+from tests.upstream.fork_interfaces import differences, importer_differences
 
 UPSTREAM = dedent("""
     class Experts(Base):

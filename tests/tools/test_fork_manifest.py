@@ -10,8 +10,9 @@ import re
 
 import pytest
 
-from tools.fork_branch import ROOT, load_manifest
-from tools.fork_cst import bindings, find, match, parse, reads
+from fork_cst import bindings, find, match, parse, reads
+from fork_manifest import load_manifest
+from tool_cli import ROOT
 
 MANIFEST = load_manifest()
 PRS = [p.id for p in MANIFEST.prs]

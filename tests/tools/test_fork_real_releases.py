@@ -13,13 +13,11 @@ import sys
 import pytest
 
 from tests.tools.release_trees import release_texts
-from tools.fork_branch import (
-    BranchError,
-    branch_texts,
-    definition_source,
-    load_manifest,
-    release_hashes,
-)
+
+from fork_branch import branch_texts, release_hashes
+from fork_cst import definition_source
+from fork_manifest import load_manifest
+from tool_cli import ToolError
 
 pytestmark = pytest.mark.slow  # about 40 s per release on 2 cores
 
@@ -100,7 +98,7 @@ def test_a_planted_line_in_a_copy_of_the_release_stops_it(release, tmp_path):
         )
     )
     assert path.read_text() != text
-    with pytest.raises(BranchError) as info:
+    with pytest.raises(ToolError) as info:
         branch_texts(copy, version)
     where = f"vllm {version}: {ORACLE}: make_nvfp4_moe_quant_config"
     assert str(info.value).startswith(f"{where}: upstream's source changed")

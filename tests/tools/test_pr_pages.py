@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """docs/pr/: each PR page lists the files its PR adds or changes, and quotes
-tools/fork_diff_report.py's numbers for the definitions it changes; the
+`tools/fork_branch.py diff`'s numbers for the definitions it changes; the
 series page's table is the report (the last two need the releases:
 tests/tools/release_trees.py)."""
 
@@ -10,8 +10,10 @@ import re
 import pytest
 
 from tests.tools.release_trees import release_texts
-from tools.fork_branch import ROOT, load_manifest
-from tools.fork_diff_report import BEGIN, END, diff_rows, quote, render
+
+from fork_branch import BEGIN, END, diff_rows, quote, render
+from fork_manifest import load_manifest
+from tool_cli import ROOT
 
 MANIFEST = load_manifest()
 SERIES = ROOT / "docs" / "pr" / "README.md"

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.build_source_branch import BRANCH, ROOT, git, precompiled
+from build_source_branch import BRANCH, git, precompiled
+from tool_cli import ROOT
 
 pytestmark = pytest.mark.skipif(
     Path(sys.prefix).name != ".venv-source",

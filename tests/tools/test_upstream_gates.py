@@ -14,8 +14,8 @@ import pytest
 if shutil.which("git") is None:
     pytest.skip("git is not installed", allow_module_level=True)
 
-from tools import upstream_gates  # noqa: E402
-from tools.build_source_branch import BRANCH, git  # noqa: E402
+import upstream_gates  # noqa: E402
+from build_source_branch import BRANCH, git  # noqa: E402
 
 # Prints "<file>:<line>: shout" for each line holding SHOUT; fails if any.
 LINT = (

@@ -3,7 +3,7 @@
 """The installed fork keeps the release's interfaces in every module the
 branch edits, against the unmodified release's source: griffe's breaking
 changes and the names upstream's own modules import
-(tools/fork_interfaces.py, whose checks these call on the installed fork).
+(fork_interfaces.py, whose checks these call on the installed fork).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ from upstream_env import UPSTREAM_VERSION, unmodified_tree, unmodified_tree_prob
 def _fork_interfaces():
     # Imported when a test runs (it needs griffe): the slice's own suite
     # collects this file without it.
-    try:  # tests/upstream's pytest.ini puts tools/ on sys.path
-        import fork_interfaces
-    except ImportError:
-        from tools import fork_interfaces
+    import fork_interfaces
+
     return fork_interfaces
 
 

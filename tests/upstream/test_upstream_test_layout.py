@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fork_manifest import load_manifest  # tools/, on sys.path (pytest.ini)
 from upstream_env import (
     REPO_ROOT,
     SLICE_VLLM,
@@ -34,11 +35,6 @@ from upstream_test_tree import (
     run_pytest,
     vllm_names,
 )
-
-try:  # tests/upstream's pytest.ini puts tools/ on sys.path
-    from fork_manifest import load_manifest
-except ImportError:  # the slice's own suite (collected, skipped): the root
-    from tools.fork_manifest import load_manifest
 
 TEST = "tests/kernels/moe/test_flashinfer_b12x_moe.py"
 #: The tests.* modules it imports: new files in upstream's tree.

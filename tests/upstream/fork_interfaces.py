@@ -1,35 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Compare the API of the modules the branch changes, release against fork (griffe).
-
-    python tools/fork_interfaces.py [--release V] [--upstream DIR --fork DIR]
-
-Per release (default trees: build/fork/<V>/upstream and build/fork/<V>/fork,
-as tools/build_fork_wheel.py leaves them): every definition of a changed
-module in the release (public ones, and private ones the fork keeps) still in
-the fork with a compatible signature (griffe's breaking changes: a parameter
-removed, renamed, moved, made required, a default changed, a kind changed;
-the same for the private functions a base class calls),
-and every name upstream's own modules import from a changed module still
-bound there. Prints each difference; exits 1 when there is one, 2 on an error.
+"""The API of the modules the branch changes, release against fork (griffe),
+for test_interfaces.py: every definition of a changed module in the release
+(public ones, and private ones the fork keeps) still in the fork with a
+compatible signature (griffe's breaking changes: a parameter removed,
+renamed, moved, made required, a default changed, a kind changed; the same
+for the private functions a base class calls), and every name upstream's
+own modules import from a changed module still bound there.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import griffe
 
-try:
-    from tools.fork_branch import ROOT, BranchError, load_manifest, top_names
-except ImportError:  # run as `python tools/fork_interfaces.py`
-    from fork_branch import ROOT, BranchError, load_manifest, top_names
+from fork_branch import top_names  # tools/, on sys.path in tests/upstream
+from fork_manifest import load_manifest
 
-__all__ = ["changed_paths", "differences", "importer_differences", "main"]
+__all__ = ["changed_paths", "differences", "importer_differences"]
 
 
 def changed_paths(version: str | None = None) -> list[str]:
@@ -106,33 +97,3 @@ def importer_differences(upstream: Path, fork: Path, paths: Sequence[str]) -> li
                         where = f"{file.relative_to(upstream)}:{node.lineno}"
                         out.append(f"{where}: imports {a.name} from {node.module}")
     return out
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="fork_interfaces", description=__doc__.split("\n")[0]
-    )
-    p.add_argument("--release", action="append", help="only this release (repeatable)")
-    p.add_argument("--upstream", type=Path, help="the unmodified release's tree")
-    p.add_argument("--fork", type=Path, help="the fork's tree")
-    args = p.parse_args(argv)
-    found = 0
-    try:
-        for v in args.release or list(load_manifest().releases):
-            up = args.upstream or ROOT / "build" / "fork" / v / "upstream"
-            fork = args.fork or ROOT / "build" / "fork" / v / "fork"
-            if not (up / "vllm").is_dir() or not (fork / "vllm").is_dir():
-                raise BranchError(f"no {up} or {fork}: run tools/build_fork_wheel.py")
-            paths = [p for p in changed_paths(v) if p.endswith(".py")]
-            diffs = differences(up, fork, paths) + importer_differences(up, fork, paths)
-            print(f"vllm {v}: {len(paths)} changed modules, {len(diffs)} differences")
-            print("".join(f"  {d}\n" for d in diffs), end="")
-            found += len(diffs)
-    except (BranchError, OSError, SyntaxError) as exc:
-        print(f"fork_interfaces: error: {exc}", file=sys.stderr)
-        return 2
-    return 1 if found else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
