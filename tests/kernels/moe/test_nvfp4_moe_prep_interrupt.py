@@ -28,6 +28,7 @@ from tests.sigint import sigint_raises_keyboard_interrupt
 from vllm.entrypoints.process_policy import deferred_sigint
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
+    run_chunks,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
@@ -211,3 +212,48 @@ def test_the_preparation_installs_no_signal_handler():
     with sigint_raises_keyboard_interrupt(), RecordHandler():
         _prepare(layer)
     assert seen and set(seen) == {signal.default_int_handler}
+
+
+def test_a_write_interrupted_after_it_landed_is_counted_not_repeated():
+    # In place, a chunk that adds 1 would be applied twice by a retry that
+    # redid it: run_chunks runs its write again (from the buffer) and counts
+    # it before the interrupt goes on.
+    t = torch.zeros(4, dtype=torch.int64)
+    buf = torch.empty(1, dtype=torch.int64)
+    landed = []
+
+    def chunk(idx):
+        torch.add(t[idx : idx + 1], 1, out=buf)  # the read, into the buffer
+
+        def write():
+            t[idx : idx + 1].copy_(buf)
+            if idx == 1 and not landed:
+                landed.append(idx)
+                raise KeyboardInterrupt  # after the bytes landed
+
+        return write
+
+    progress = ChunkProgress()
+    with pytest.raises(KeyboardInterrupt):
+        run_chunks(4, chunk, progress)
+    assert progress.done == 2
+    run_chunks(4, chunk, progress)
+    assert t.tolist() == [1, 1, 1, 1]
+
+
+def test_a_write_that_fails_twice_leaves_the_progress_torn():
+    t = torch.zeros(2, dtype=torch.int64)
+
+    def chunk(idx):
+        def write():
+            t[idx] = 7
+            raise RuntimeError("device lost")
+
+        return write
+
+    progress = ChunkProgress()
+    with pytest.raises(RuntimeError, match="device lost"):
+        run_chunks(2, chunk, progress)
+    assert progress.torn == 0 and progress.done == 0
+    with pytest.raises(ValueError, match="chunk 0 half-written"):
+        run_chunks(2, chunk, progress)

@@ -65,8 +65,9 @@ def test_each_step_waits_once_before_it_is_recorded(monkeypatch):
 )
 def test_the_wait_synchronizes_exactly_the_cuda_devices(monkeypatch, device, waits):
     # The decision the CUDA test alone would see, on CPU: torch.device
-    # objects of any index stand in for the step's device, a recorder for
-    # torch.cuda.synchronize. mark_done waits before it records.
+    # objects of any index stand in for the step's device, a CUDA
+    # accelerator is reported, a recorder stands in for
+    # torch.accelerator.synchronize. mark_done waits before it records.
     dev = torch.device(device)
     state = weight_prep_state.MoEWeightPrepState()
     calls = []
@@ -74,7 +75,10 @@ def test_the_wait_synchronizes_exactly_the_cuda_devices(monkeypatch, device, wai
     def synchronize(d=None):
         calls.append((d, list(state.done)))
 
-    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.accelerator, "synchronize", synchronize)
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda: torch.device("cuda")
+    )
     weight_prep_state.wait_for_step(dev)
     assert calls == ([(dev, [])] if waits else [])
     calls.clear()
@@ -86,13 +90,13 @@ def test_the_wait_synchronizes_exactly_the_cuda_devices(monkeypatch, device, wai
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_preparation_synchronizes_once_per_step(monkeypatch):
     layer = _loaded_layer("cuda")
-    real, count = torch.cuda.synchronize, []
+    real, count = torch.accelerator.synchronize, []
 
     def counting(device=None):
         count.append(device)
         real(device)
 
-    monkeypatch.setattr(torch.cuda, "synchronize", counting)
+    monkeypatch.setattr(torch.accelerator, "synchronize", counting)
     layer.quant_method.process_weights_after_loading(layer)
     assert len(count) == len(STEPS)
 

@@ -740,6 +740,8 @@ def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
 
     sms = types.SimpleNamespace(multi_processor_count=3)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: sms)
+    # vLLM caches the count (num_compute_units): uncached, the patch is seen.
+    monkeypatch.setattr(m, "num_compute_units", m.num_compute_units.__wrapped__)
     assert flashinfer_w4a16_prepared_call()
     e, h, i = 4, 256, 128
     layer = _w4a16_layer(2 * e, h, i, True, ep_rank=1, ep_size=2)

@@ -102,15 +102,16 @@ def unit_chunks(units: int, unit_len: int, per: int) -> list[tuple[int, ...]]:
 #
 # A chunk reads its source into the buffer before its last write, which reads
 # only the buffer: a chunk function returns that write, and run_chunks runs
-# it. An exception raised by any operation of the chunk before the write
-# leaves the chunk untouched; one that leaves the write, before or after its
-# bytes landed (a KeyboardInterrupt is delivered when the torch call
-# returns), runs the write once more and counts the chunk, so a retry never
-# applies an in-place chunk twice. When control leaves a step, every chunk is
-# done and counted in its ``ChunkProgress`` or untouched, and no byte exists
-# only in the buffer. Signals are the process's to handle: a command that
-# wants Ctrl-C to land only between whole preparations holds SIGINT back
-# around them.
+# it (the swap, whose two writes depend on each other, runs both and undoes
+# the first if either raises). An exception raised by any operation of the
+# chunk before the write leaves the chunk untouched; one that leaves the
+# write, before or after its bytes landed (a KeyboardInterrupt is delivered
+# when the torch call returns), runs the write once more and counts the
+# chunk, so a retry never applies an in-place chunk twice. When control
+# leaves a step, every chunk is done and counted in its ``ChunkProgress`` or
+# untouched, and no byte exists only in the buffer. Signals are the
+# process's to handle: a command that wants Ctrl-C to land only between
+# whole preparations holds SIGINT back around them.
 
 
 @dataclass

@@ -12,7 +12,8 @@ in-place steps (drawn in ``fused_moe/experts/flashinfer_b12x_w4a4.py``)::
 
 Each step is a sequence of chunks run by ``bounded_chunks.run_chunks``: it
 allocates at most ``max_transient_bytes`` and resumes from a ``ChunkProgress``
-after an exception, which leaves the chunk in flight untouched.
+after an exception, which leaves the chunk in flight untouched or, when it
+came after the chunk's last write began, finished and counted.
 """
 
 from typing import TYPE_CHECKING
