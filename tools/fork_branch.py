@@ -4,13 +4,13 @@
 
     python tools/fork_branch.py apply TREE VERSION [--source] [--pr ID ...]
     python tools/fork_branch.py hashes TREE VERSION  # the manifest's sha256 lines
-    python tools/fork_branch.py diff [--release V]   # the PR pages' diff table
+    python tools/fork_branch.py diff [TREE] [--release V]  # the PR pages' table
 
 Edits are keyed by names and structure and made with libcst; the rest of each
 upstream file stays byte for byte. Before anything is written, the sha256 of
 upstream's own source (whitespace runs collapsed) of every definition the
 branch replaces, edits or relies on is recomputed and compared. ``diff``
-counts, per release (build/fork/<V>/upstream, or --tree) and definition the
+counts, per release (build/fork/<V>/upstream, or TREE) and definition the
 branch changes, upstream's lines kept, added and removed (difflib).
 """
 
@@ -294,7 +294,7 @@ def render(rows: list[tuple]) -> str:
     ]
     lines.append("|---|---|---|---|---|---|")
     for v, name, path, n, kept, added, removed in rows:
-        file = path.removeprefix("vllm/model_executor/layers/")
+        file = path.removeprefix("vllm/model_executor/").removeprefix("layers/")
         lines.append(
             f"| {v} | `{name}` ({file}) | {n} | {kept} | +{added} | -{removed} |"
         )

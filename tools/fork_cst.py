@@ -237,26 +237,28 @@ def _import_line(mod: str, names: list[tuple[str, str]]) -> cst.SimpleStatementL
 
 def _sort_key(s: cst.SimpleStatementLine, package: str) -> tuple:
     imp = s.body[0]
-    mod = code(imp.module if isinstance(imp, cst.ImportFrom) else imp.names[0].name)
+    name = imp.module if isinstance(imp, cst.ImportFrom) else imp.names[0].name
+    mod = code(name) if name else ""  # `from . import x`: no module
     top = mod.split(".")[0]
     section = [top == "__future__", top in sys.stdlib_module_names, True]
     section = section.index(True) + (top in (package, "tests"))
+    if isinstance(imp, cst.ImportFrom) and imp.relative:  # local: last
+        section, mod = 4, "." * len(imp.relative) + mod
     return section, isinstance(imp, cst.ImportFrom), _natural(mod)
 
 
 def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
     """Add the bindings ``wanted`` (bound name -> binding) as ruff's isort
-    places them: into upstream's import of the same module, else sorted into
-    its section."""
+    places them: into upstream's import of the same module, else into the
+    first run of imports, sorted."""
     groups: dict[str, list[tuple[str, str]]] = {}
     for bound, (_, mod, full) in sorted(wanted.items()):
         groups.setdefault(mod, []).append((full, bound))
     for mod, names in groups.items():
         for pairs in [names] if mod else [[p] for p in names]:
-            lines = _imports(module, type_checking=False)
             same = [
                 s
-                for s in lines
+                for s in _imports(module, type_checking=False)
                 if mod
                 and isinstance(s.body[0], cst.ImportFrom)
                 and not isinstance(s.body[0].names, cst.ImportStar)
@@ -268,31 +270,18 @@ def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
                 swap = new.with_changes(leading_lines=same[0].leading_lines)
                 module = module.deep_replace(same[0], swap)
                 continue
-            new = _import_line(mod, pairs)
-            if not lines:  # the first import: after the docstring
-                i = int(bool(module.body) and _binds(module.body[0], True) == "__doc__")
+            body, new = list(module.body), _import_line(mod, pairs)
+            i = next((k for k, s in enumerate(body) if _is_import(s)), None)
+            if i is None:  # the first import: after the docstring
+                i = int(bool(body) and _binds(body[0], True) == "__doc__")
                 new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * i)
-                module = module.with_changes(
-                    body=[*module.body[:i], new, *module.body[i:]]
-                )
+                module = module.with_changes(body=[*body[:i], new, *body[i:]])
                 continue
-            key = _sort_key(new, package)
-            section = [s for s in lines if _sort_key(s, package)[0] == key[0]]
-            later = [s for s in section if _sort_key(s, package) > key]
-            lower = [s for s in lines if _sort_key(s, package)[0] < key[0]]
-            blank = [cst.EmptyLine(indent=False)]
-            if later or not (section or lower):  # in its place, before the next
-                anchor = (later or lines)[0]
-                new = new.with_changes(leading_lines=anchor.leading_lines)
-                gap = () if later else blank
-                seq = [new, anchor.with_changes(leading_lines=gap)]
-            else:  # after the last of its section, or of the sections before it
-                anchor = (section or lower)[-1]
-                seq = [
-                    anchor,
-                    new if section else new.with_changes(leading_lines=blank),
-                ]
-            module = module.deep_replace(anchor, cst.FlattenSentinel(seq))
+            j = i
+            while j < len(body) and _is_import(body[j]):
+                j += 1
+            run = _sorted_run([*body[i:j], new], package, first=i == 0)
+            module = module.with_changes(body=[*body[:i], *run, *body[j:]])
     return module
 
 
@@ -302,10 +291,27 @@ def _is_import(s: cst.CSTNode) -> bool:
     )
 
 
+def _sorted_run(run: list, package: str, first: bool) -> list:
+    """Import lines as ruff's isort orders them: sections apart by one blank
+    line, comments kept (``first``: the module's first statement)."""
+    ordered = sorted(run, key=lambda s: _sort_key(s, package))
+    out = []
+    for k, s in enumerate(ordered):
+        notes = [ln for ln in s.leading_lines if ln.comment]
+        if k == 0:
+            blank = [ln for ln in run[0].leading_lines if not ln.comment]
+            lead = ([] if first else blank) + notes  # first: the header's
+        else:
+            apart = _sort_key(s, package)[0] != _sort_key(ordered[k - 1], package)[0]
+            lead = [cst.EmptyLine(indent=False)] * apart + notes
+        out.append(s.with_changes(leading_lines=lead))
+    return out
+
+
 def sort_import_runs(module: cst.Module, package: str) -> cst.Module:
     """Each run of module-level import lines (one a dropped module-level
     ``if`` can make of two) as ruff's isort orders one, where it does not
-    already: sections apart by one blank line, comments kept."""
+    already."""
     body, out = list(module.body), []
     while body:
         run = []
@@ -317,21 +323,8 @@ def sort_import_runs(module: cst.Module, package: str) -> cst.Module:
         keys = [_sort_key(s, package) for s in run]
         gaps = [any(not ln.comment for ln in s.leading_lines) for s in run[1:]]
         apart = [a[0] != b[0] for a, b in zip(keys[:-1], keys[1:], strict=True)]
-        if keys == sorted(keys) and gaps == apart:
-            out += run
-            continue
-        ordered = sorted(run, key=lambda s: _sort_key(s, package))
-        for k, s in enumerate(ordered):
-            notes = [ln for ln in s.leading_lines if ln.comment]
-            if k == 0:
-                blank = [ln for ln in run[0].leading_lines if not ln.comment]
-                lead = (blank if out else []) + notes  # first: the header's
-            else:
-                apart = (
-                    _sort_key(s, package)[0] != _sort_key(ordered[k - 1], package)[0]
-                )
-                lead = [cst.EmptyLine(indent=False)] * apart + notes
-            out.append(s.with_changes(leading_lines=lead))
+        ok = keys == sorted(keys) and gaps == apart
+        out += run if ok else _sorted_run(run, package, first=not out)
     return module.with_changes(body=out)
 
 
