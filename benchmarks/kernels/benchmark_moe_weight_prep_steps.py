@@ -23,7 +23,7 @@ W4A16 (``--w4a16``, FlashInfer's packed b12x layout): each step of the
 in-place W4A16 preparation (codes and scales of w13, then of w2; the [w3; w1]
 w13 rotated on the way) against the memcpy of the bytes it rewrites, one
 thread, quiet and with --busy-cores; checked byte for byte against the
-reference (``nvfp4_utils.w4a16_pack_*``) before it is timed.
+reference (``flashinfer_w4a16_layout.w4a16_pack_*``) before it is timed.
 
 What the preparation would cost on the GPU that runs it (it runs there, not
 on this CPU), printed first, for W4A4 and W4A16: per step the device
@@ -82,7 +82,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
     moe_prep_threads,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     swizzled_blockscale_shape,
 )
 from vllm.utils.argparse_utils import (
@@ -542,7 +542,7 @@ def _w4a16_layer(preset, tensors):
 
 
 def _check_w4a16(preset, tensors) -> None:
-    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
         w4a16_pack_blockscale,
         w4a16_pack_weight,
         w4a16_scale_exponent,

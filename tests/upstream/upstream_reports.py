@@ -43,7 +43,7 @@ __all__ = [
     "rel_rms",
 ]
 
-_NVFP4_UTILS = "vllm/model_executor/layers/quantization/utils/nvfp4_utils.py"
+_NVFP4_FORMAT = "vllm/model_executor/layers/quantization/utils/nvfp4_format.py"
 _MOE_REFERENCE = "tests/kernels/moe/moe_reference.py"
 
 
@@ -104,7 +104,7 @@ def prepared_dequantized_experts(
     [E, 2I, H] in [gate; up] order, w2 float32 [E, H, I]). E2M1 codes x
     the 128x4 block scales (unswizzled) x the kernel's per-expert alphas
     (:func:`prepared_kernel_alphas`: one for both halves of w13)."""
-    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    nvfp4 = load_slice_module(_NVFP4_FORMAT)
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     a1, a2 = (
         a.detach().float().reshape(e, 1, 1) for a in prepared_kernel_alphas(layer)
@@ -121,7 +121,7 @@ def checkpoint_dequantized_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint's weights, float32: (w13 [E, 2I, H] [gate; up], each
     half times its own global scale; w2 [E, H, I])."""
-    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    nvfp4 = load_slice_module(_NVFP4_FORMAT)
     i = experts.w13.shape[1] // 2
     rows = experts.w13_scale_2.repeat_interleave(i, dim=1).unsqueeze(-1)  # [E, 2I, 1]
     w13 = nvfp4.dequantize_nvfp4(experts.w13, experts.w13_scale, 1.0) * rows
@@ -172,7 +172,7 @@ def prepared_b12x_report(
     * ``digests``: sha256 of the bytes of the weights and block scales.
     * ``parameters``: name -> [shape, dtype] after preparation.
     """
-    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    nvfp4 = load_slice_module(_NVFP4_FORMAT)
     method = layer.quant_method
     fused = method.moe_kernel.fused_experts
     quant = method.moe_quant_config

@@ -27,9 +27,11 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     moe_prep_threads,
 )
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    swizzled_blockscale_shape,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
-    swizzled_blockscale_shape,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 

@@ -32,6 +32,14 @@ from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ChunkProgress,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
+    w4a16_alpha,
+    w4a16_dequantize,
+    w4a16_global_scale,
+    w4a16_pack_blockscale,
+    w4a16_pack_weight,
+    w4a16_scale_exponent,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
     pack_w4a16_blockscale_,
     repack_w4a16_weight_,
@@ -41,12 +49,6 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
-    w4a16_alpha,
-    w4a16_dequantize,
-    w4a16_global_scale,
-    w4a16_pack_blockscale,
-    w4a16_pack_weight,
-    w4a16_scale_exponent,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 

@@ -16,7 +16,7 @@ the source. Two baselines, both on the tensors as FlashInfer's API takes them
 
 * :func:`public_copy_reference`: that public path's memory behaviour, made
   with this package's whole-tensor reference
-  (:mod:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils`): the
+  (:mod:`~vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout`): the
   block scales unswizzled into new tensors, new packed tensors of the full
   size filled one expert at a time, the result kept. Always available.
 * :func:`flashinfer_w4a16_prepare`: FlashInfer's own function (public, or its
@@ -35,14 +35,18 @@ from unittest import mock
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    swizzle_blockscale,
-    swizzled_blockscale_shape,
-    unswizzle_blockscale,
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_global_scale,
     w4a16_pack_blockscale,
     w4a16_pack_weight,
     w4a16_scale_exponent,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    swizzled_blockscale_shape,
+    unswizzle_blockscale,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
 )
 
 __all__ = [

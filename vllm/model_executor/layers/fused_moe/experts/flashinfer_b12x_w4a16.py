@@ -54,6 +54,11 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
+    W4A16_TILE_N,
+    w4a16_global_scale,
+    w4a16_scale_exponent,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
     pack_w4a16_blockscale_,
     repack_w4a16_weight_,
@@ -62,11 +67,6 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     w13_rows,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    W4A16_TILE_N,
-    w4a16_global_scale,
-    w4a16_scale_exponent,
 )
 
 __all__ = ["B12xW4A16Weights", "W4A16PackedWeights", "w4a16_launch_kwargs"]

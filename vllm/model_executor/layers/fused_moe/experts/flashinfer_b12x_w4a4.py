@@ -68,14 +68,14 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     allocation_bytes,
     moe_prep_threads,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
+    blockscale_mma_layout_view,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     w13_rows,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    blockscale_mma_layout_view,
 )
 
 __all__ = ["B12xW4A4Tensors", "B12xW4A4Weights", "fold_to"]
