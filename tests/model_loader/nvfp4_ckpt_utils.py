@@ -107,16 +107,18 @@ def quant_json(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())["quantization_config"]
 
 
-def writer_cli_args(out, *extra, layers=1, hidden=128, intermediate=64) -> list:
-    """The writer CLI's arguments for a small model (4 experts, top 2) into
-    ``out``, ``extra`` first."""
+def writer_cli_args(
+    out, *extra, layers=1, experts=4, hidden=128, intermediate=64
+) -> list[str]:
+    """The writer CLI's arguments for a small model (top 2) into ``out``,
+    ``extra`` first."""
     return [
         str(out),
         *extra,
         "--num-layers",
         str(layers),
         "--num-experts",
-        "4",
+        str(experts),
         "--top-k",
         "2",
         "--hidden-size",
