@@ -22,9 +22,12 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import MODELOPT
 __all__ = [
     "BACKEND",
     "E",
+    "EXPERTS",
     "H",
     "I",
     "TOPK",
+    "W4A4",
+    "W4A16",
     "make_layer",
     "params_bytes",
     "quant_json",
@@ -36,6 +39,9 @@ __all__ = [
 
 E, H, I, TOPK = 8, 256, 128, 2  # noqa: E741 (the facts file's names)
 BACKEND = "flashinfer_b12x_emulated"
+W4A4, W4A16 = "w4a4", "w4a16"
+#: The routed experts of decoder layer ``{}`` (Qwen3.6's names).
+EXPERTS = "model.layers.{}.mlp.experts"
 
 
 def qwen_config(e=E, h=H, i=I, layers=2):
@@ -73,15 +79,18 @@ def write_layers(path, fmt=MODELOPT, layers=(0, 1, 2), **kwargs):
     return path
 
 
-def make_layer(gated=True, place=None, e=E, *, quant_config=None, mode="w4a4", **kw):
-    """A CPU FusedMoE of the checkpoints' shape on the emulated b12x backend:
-    ``quant_config``, or ModelOpt's config for ``mode``; ``place`` is
-    ``place_w3w1_at_load``; other keywords go to FusedMoE."""
+def make_layer(
+    gated=True, place=None, e=E, *, h=H, i=I, quant_config=None, mode=W4A4, **kw
+):
+    """A CPU FusedMoE of the checkpoints' shape (``e`` experts, hidden ``h``,
+    intermediate ``i``, top 2) on the emulated b12x backend: ``quant_config``,
+    or ModelOpt's config for ``mode``; ``place`` is ``place_w3w1_at_load``;
+    other keywords go to FusedMoE."""
     return FusedMoE(
         num_experts=e,
         top_k=TOPK,
-        hidden_size=H,
-        intermediate_size=I,
+        hidden_size=h,
+        intermediate_size=i,
         activation="silu" if gated else "relu2",
         quant_config=quant_config or ModelOptNvFp4Config.for_mode(mode),
         moe_backend=BACKEND,

@@ -10,6 +10,9 @@ import json
 import pytest
 
 from tests.model_loader.nvfp4_ckpt_utils import (
+    EXPERTS,
+    W4A4,
+    W4A16,
     E,
     write_layers,
 )
@@ -20,8 +23,6 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
 )
 
 LAYERS = (0, 1, 2)
-W4A4, W4A16 = "w4a4", "w4a16"
-EXPERTS = "model.layers.{}.mlp.experts"
 
 
 # --- declarations: both formats, hand-written ---------------------------------

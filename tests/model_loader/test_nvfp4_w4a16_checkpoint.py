@@ -10,6 +10,9 @@ import torch
 
 from tests.kernels.utils import bytes_of
 from tests.model_loader.nvfp4_ckpt_utils import (
+    EXPERTS,
+    W4A4,
+    W4A16,
     E,
     make_layer,
     quant_json,
@@ -25,8 +28,6 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
 )
 
 LAYERS = (0, 1, 2)
-W4A4, W4A16 = "w4a4", "w4a16"
-EXPERTS = "model.layers.{}.mlp.experts"
 
 
 def loaded(ckpt, idx):

@@ -24,6 +24,7 @@ __all__ = [
     "BACKEND",
     "LAYERS",
     "LAYER_IDS",
+    "PACKED_FIELDS",
     "MiB",
     "expected_packed",
     "packed_bytes",
@@ -37,6 +38,15 @@ __all__ = [
 
 BACKEND = "flashinfer_b12x_emulated"
 MiB = 1 << 20
+#: What the W4A16 kernel reads of a prepared layer (``experts.prepared``).
+PACKED_FIELDS = (
+    "w13",
+    "w13_scale",
+    "w13_global_scale",
+    "w2",
+    "w2_scale",
+    "w2_global_scale",
+)
 
 
 def rand_weight(e, n, k, seed):
@@ -108,17 +118,7 @@ def expected_packed(t, gated, i):
 
 def packed_bytes(layer) -> dict[str, torch.Tensor]:
     pw = layer.quant_method.experts.prepared
-    return {
-        f: bytes_of(getattr(pw, f).contiguous()).clone()
-        for f in (
-            "w13",
-            "w13_scale",
-            "w13_global_scale",
-            "w2",
-            "w2_scale",
-            "w2_global_scale",
-        )
-    }
+    return {f: bytes_of(getattr(pw, f).contiguous()).clone() for f in PACKED_FIELDS}
 
 
 # (E, H, I, gated): I = 96 (a [w3; w1] rotation of 96 rows: the half swap);

@@ -15,6 +15,7 @@ from tests.kernels.moe.flashinfer_b12x_utils import apply_experts
 from tests.kernels.moe.nvfp4_w4a16_utils import (
     LAYER_IDS,
     LAYERS,
+    PACKED_FIELDS,
     packed_bytes,
     prepare,
     w4a16_layer,
@@ -89,14 +90,7 @@ def test_kernel_call_binds_to_flashinfers_launch(monkeypatch):
     pw = experts.prepared
     prepared = m.flashinfer_packed_weights(pw, torch.device("cpu"))
     assert prepared.workspace.shape == (3 * 4 + 2,)
-    for field in (
-        "w13",
-        "w13_scale",
-        "w13_global_scale",
-        "w2",
-        "w2_scale",
-        "w2_global_scale",
-    ):
+    for field in PACKED_FIELDS:
         assert getattr(prepared, field) is getattr(pw, field)
     x = torch.zeros(3, h, dtype=torch.bfloat16)
     ids = torch.tensor([[0, 5], [7, 4], [1, 2]], dtype=torch.int32)
