@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint_dequantized_experts",
     "checkpoint_global_scales",
     "emulated_apply",
+    "experts_apply",
     "function_errors",
     "moe_inputs",
     "prep_reports_on_cpu",
@@ -337,6 +338,37 @@ def prepared_function_errors(
     }
 
 
+def experts_apply(
+    experts,
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``experts.apply`` on ``layer``'s weights with upstream's 15 arguments
+    (no expert map, no scales passed, no accumulation): a new output."""
+    method = layer.quant_method
+    out = torch.empty_like(x)
+    experts.apply(
+        out,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        topk_weights,
+        topk_ids,
+        method.moe.activation,
+        method.moe.num_experts,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
+    return out
+
+
 def emulated_apply(
     layer: torch.nn.Module,
     x: torch.Tensor,
@@ -360,25 +392,7 @@ def emulated_apply(
     )
     if bind:
         emulated.process_weights_after_loading(layer)
-    out = torch.empty_like(x)
-    emulated.apply(
-        out,
-        x,
-        layer.w13_weight,
-        layer.w2_weight,
-        topk_weights,
-        topk_ids,
-        method.moe.activation,
-        method.moe.num_experts,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-    )
-    return out
+    return experts_apply(emulated, layer, x, topk_weights, topk_ids)
 
 
 def function_errors(

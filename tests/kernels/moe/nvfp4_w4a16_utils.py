@@ -31,6 +31,7 @@ __all__ = [
     "prepare",
     "rand_scale",
     "rand_weight",
+    "router_inputs",
     "w3w1",
     "w4a16_layer",
     "w4a16_tensors",
@@ -114,6 +115,14 @@ def expected_packed(t, gated, i):
         "w2_scale": w4a16_pack_blockscale(t["w2_weight_scale"], x2),
         "w2_global_scale": w4a16_global_scale(t["w2_weight_scale_2"], x2),
     }
+
+
+def router_inputs(tokens, h, e, seed):
+    """BF16 activations [tokens, h] and float32 router logits [tokens, e]
+    from one generator seeded ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, h, generator=gen).bfloat16()
+    return x, torch.randn(tokens, e, generator=gen)
 
 
 def packed_bytes(layer) -> dict[str, torch.Tensor]:

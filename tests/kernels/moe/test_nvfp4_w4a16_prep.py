@@ -17,6 +17,7 @@ from tests.kernels.moe.nvfp4_w4a16_utils import (
     packed_bytes,
     prepare,
     rand_scale,
+    router_inputs,
     w3w1,
     w4a16_layer,
     w4a16_tensors,
@@ -80,11 +81,8 @@ def test_layer_runs_within_bf16_tolerance_of_the_dequantized_moe(shape):
     t = w4a16_tensors(e, h, i, gated, seed=2)
     layer = w4a16_layer(e, h, i, gated)
     _load_through_loader(layer, t)
-    prepare(layer)
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(12, h, generator=gen).bfloat16()
-    logits = torch.randn(12, e, generator=gen)
-    out = layer(x, logits)
+    x, logits = router_inputs(12, h, e, seed=3)
+    out = prepare(layer)(x, logits)
     act = "silu" if gated else "relu2"
     dw1, dw2 = dequantized_experts(t, gated)
     ref = torch_moe(x, dw1, dw2, logits, 2, True, act)
@@ -159,11 +157,8 @@ def test_w13_and_w2_with_different_scale_exponents(shifted):
     layer = w4a16_layer(e, h, i, True)
     _load_through_loader(layer, t)
     loaded = {n: bytes_of(p.detach()).clone() for n, p in layer.named_parameters()}
-    prepare(layer)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(12, h, generator=gen).bfloat16()
-    logits = torch.randn(12, e, generator=gen)
-    out = layer(x, logits)
+    x, logits = router_inputs(12, h, e, seed=9)
+    out = prepare(layer)(x, logits)
     assert torch.isfinite(out.float()).all()
     dw1, dw2 = dequantized_experts(t, True)
     assert rel_rms_error(out, torch_moe(x, dw1, dw2, logits, 2, True)) < 0.01
@@ -185,11 +180,8 @@ def test_emulation_rounds_fc1_and_the_activation_to_bf16():
     t = w4a16_tensors(e, h, i, True, seed=10)
     layer = w4a16_layer(e, h, i, True)
     _load_through_loader(layer, t)
-    prepare(layer)
-    gen = torch.Generator().manual_seed(11)
-    x = torch.randn(12, h, generator=gen).bfloat16()
-    logits = torch.randn(12, e, generator=gen)
-    out = layer(x, logits)
+    x, logits = router_inputs(12, h, e, seed=11)
+    out = prepare(layer)(x, logits)
     pw = layer.quant_method.experts.prepared
     weights, ids = torch_topk(logits, 2, renormalize=True)
 
