@@ -61,11 +61,18 @@ def rand_scale(e, n, k, seed, top=0x60):
     return b.view(torch.float8_e4m3fn)
 
 
-def w4a16_layer(e, h, i, gated, *, cap=None, place_w3w1=True, **kwargs):
-    experts_kwargs = {} if cap is None else {"max_transient_bytes": cap}
+def w4a16_layer(
+    e, h, i, gated, *, cap=None, place_w3w1=True, top_k=2, experts_kwargs=(), **kw
+):
+    """A CPU FusedMoE with ModelOpt's W4A16 config on the emulated b12x
+    backend; ``cap``: its preparation's ``max_transient_bytes`` (added to
+    ``experts_kwargs``); other keywords go to FusedMoE."""
+    experts_kwargs = dict(experts_kwargs)
+    if cap is not None:
+        experts_kwargs["max_transient_bytes"] = cap
     return FusedMoE(
         num_experts=e,
-        top_k=2,
+        top_k=top_k,
         hidden_size=h,
         intermediate_size=i,
         activation="silu" if gated else "relu2",
@@ -73,7 +80,7 @@ def w4a16_layer(e, h, i, gated, *, cap=None, place_w3w1=True, **kwargs):
         moe_backend=BACKEND,
         place_w3w1_at_load=place_w3w1,
         experts_kwargs=experts_kwargs,
-        **kwargs,
+        **kw,
     )
 
 

@@ -9,7 +9,6 @@ import torch
 
 from tests.kernels.moe.moe_reference import torch_moe, torch_topk
 from tests.kernels.moe.nvfp4_w4a16_utils import (
-    BACKEND,
     LAYER_IDS,
     LAYERS,
     MiB,
@@ -35,9 +34,7 @@ from tests.kernels.moe.utils import (
     rel_rms_error,
 )
 from tests.kernels.utils import bytes_of
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_alpha,
     w4a16_dequantize,
@@ -344,26 +341,13 @@ def test_w4a16_layer_takes_the_alpha_mode_only():
     # refused with the reason; a geometry the layout cannot hold is named.
     w4a16_layer(2, 128, 64, True, cap=None)
     with pytest.raises(ValueError, match="global_scale_mode must be 'alpha'"):
-        FusedMoE(
-            num_experts=2,
-            top_k=1,
-            hidden_size=128,
-            intermediate_size=64,
-            quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-            moe_backend=BACKEND,
-            experts_kwargs={"global_scale_mode": "fold"},
+        w4a16_layer(
+            2, 128, 64, True, top_k=1, experts_kwargs={"global_scale_mode": "fold"}
         )
     with pytest.raises(
         ValueError, match="hidden size must be a positive multiple of 64"
     ):
-        FusedMoE(
-            num_experts=2,
-            top_k=1,
-            hidden_size=96,
-            intermediate_size=64,
-            quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-            moe_backend=BACKEND,
-        )
+        w4a16_layer(2, 96, 64, True, top_k=1)
 
 
 @pytest.mark.parametrize(
