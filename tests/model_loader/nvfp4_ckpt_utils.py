@@ -80,21 +80,31 @@ def write_layers(path, fmt=MODELOPT, layers=(0, 1, 2), **kwargs):
 
 
 def make_layer(
-    gated=True, place=None, e=E, *, h=H, i=I, quant_config=None, mode=W4A4, **kw
+    gated=True,
+    place=None,
+    e=E,
+    *,
+    h=H,
+    i=I,
+    top_k=TOPK,
+    quant_config=None,
+    mode=W4A4,
+    device="cpu",
+    **kw,
 ):
-    """A CPU FusedMoE of the checkpoints' shape (``e`` experts, hidden ``h``,
-    intermediate ``i``, top 2) on the emulated b12x backend: ``quant_config``,
-    or ModelOpt's config for ``mode``; ``place`` is ``place_w3w1_at_load``;
-    other keywords go to FusedMoE."""
+    """A FusedMoE on ``device`` of the checkpoints' shape (``e`` experts,
+    hidden ``h``, intermediate ``i``) on the emulated b12x backend:
+    ``quant_config``, or ModelOpt's config for ``mode``; ``place`` is
+    ``place_w3w1_at_load``; other keywords go to FusedMoE."""
     return FusedMoE(
         num_experts=e,
-        top_k=TOPK,
+        top_k=top_k,
         hidden_size=h,
         intermediate_size=i,
         activation="silu" if gated else "relu2",
         quant_config=quant_config or ModelOptNvFp4Config.for_mode(mode),
         moe_backend=BACKEND,
-        device="cpu",
+        device=device,
         place_w3w1_at_load=place,
         **kw,
     )

@@ -11,8 +11,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
 )
 from tests.kernels.utils import bytes_of
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+from tests.model_loader.nvfp4_ckpt_utils import make_layer
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_global_scale,
     w4a16_pack_blockscale,
@@ -64,21 +63,21 @@ def rand_scale(e, n, k, seed, top=0x60):
 def w4a16_layer(
     e, h, i, gated, *, cap=None, place_w3w1=True, top_k=2, experts_kwargs=(), **kw
 ):
-    """A CPU FusedMoE with ModelOpt's W4A16 config on the emulated b12x
+    """A FusedMoE with ModelOpt's W4A16 config on the emulated b12x
     backend; ``cap``: its preparation's ``max_transient_bytes`` (added to
     ``experts_kwargs``); other keywords go to FusedMoE."""
+    kw.setdefault("device", None)  # torch's default device
     experts_kwargs = dict(experts_kwargs)
     if cap is not None:
         experts_kwargs["max_transient_bytes"] = cap
-    return FusedMoE(
-        num_experts=e,
+    return make_layer(
+        gated,
+        place_w3w1,
+        e,
+        h=h,
+        i=i,
         top_k=top_k,
-        hidden_size=h,
-        intermediate_size=i,
-        activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-        moe_backend=BACKEND,
-        place_w3w1_at_load=place_w3w1,
+        mode="w4a16",
         experts_kwargs=experts_kwargs,
         **kw,
     )
