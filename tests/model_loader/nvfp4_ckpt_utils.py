@@ -79,32 +79,23 @@ def write_layers(path, fmt=MODELOPT, layers=(0, 1, 2), **kwargs):
     return path
 
 
-def make_layer(
-    gated=True,
-    place=None,
-    e=E,
-    *,
-    h=H,
-    i=I,
-    top_k=TOPK,
-    quant_config=None,
-    mode=W4A4,
-    device="cpu",
-    **kw,
-):
-    """A FusedMoE on ``device`` of the checkpoints' shape (``e`` experts,
-    hidden ``h``, intermediate ``i``) on the emulated b12x backend:
+def make_layer(gated=True, place=None, e=E, *, quant_config=None, mode=W4A4, **kw):
+    """A FusedMoE of the checkpoints' shape on the emulated b12x backend:
     ``quant_config``, or ModelOpt's config for ``mode``; ``place`` is
-    ``place_w3w1_at_load``; other keywords go to FusedMoE."""
+    ``place_w3w1_at_load``. ``h``, ``i``, ``top_k`` and ``device`` (default
+    the checkpoints' H, I, TOPK and "cpu") give its hidden and intermediate
+    sizes, its experts per token and its device; other keywords go to
+    FusedMoE."""
+    h, i = kw.pop("h", H), kw.pop("i", I)
     return FusedMoE(
         num_experts=e,
-        top_k=top_k,
+        top_k=kw.pop("top_k", TOPK),
         hidden_size=h,
         intermediate_size=i,
         activation="silu" if gated else "relu2",
         quant_config=quant_config or ModelOptNvFp4Config.for_mode(mode),
         moe_backend=BACKEND,
-        device=device,
+        device=kw.pop("device", "cpu"),
         place_w3w1_at_load=place,
         **kw,
     )
