@@ -23,7 +23,7 @@ W4A16 (``--w4a16``, FlashInfer's packed b12x layout): each step of the
 in-place W4A16 preparation (codes and scales of w13, then of w2; the [w3; w1]
 w13 rotated on the way) against the memcpy of the bytes it rewrites, one
 thread, quiet and with --busy-cores; checked byte for byte against the
-reference (``nvfp4_utils.w4a16_pack_*``) before it is timed.
+reference (``flashinfer_w4a16_layout.w4a16_pack_*``) before it is timed.
 
 What the preparation would cost on the GPU that runs it (it runs there, not
 on this CPU), printed first, for W4A4 and W4A16: per step the device
@@ -49,22 +49,23 @@ reference swizzle (alpha scales).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from vllm.benchmarks.moe_weight_prep.baselines import (
-    float_chunk_fold_,
     legacy_preparation_steps,
+    measure_alternatives,
 )
 from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
+from vllm.benchmarks.moe_weight_prep.device_ops import (
+    GPU_ASSUMPTIONS,
+    count_layouts,
+    format_device_ops,
+)
 from vllm.benchmarks.moe_weight_prep.layer import make_layer
 from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS, get_preset
 from vllm.benchmarks.moe_weight_prep.report import format_speedup
@@ -72,18 +73,8 @@ from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
 from vllm.benchmarks.moe_weight_prep.w4a4_layers import check_equal
 from vllm.entrypoints.process_policy import PREP_CPU_THREADS, preparing_weights
-from vllm.model_executor.layers.quantization.utils import bounded_chunks
-from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
-    fold_global_scale_into_blockscale_,
-)
-from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
-    swizzle_blockscale_bounded,
-)
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    swizzled_blockscale_shape,
 )
 from vllm.utils.argparse_utils import (
     CommandLineParser,
@@ -120,160 +111,13 @@ def _step_bytes(tensors: dict, gated: bool) -> dict[str, dict[str, int]]:
     return out
 
 
-# --- on a GPU: device operations and bytes moved, per step -----------------------
-#
-# The preparation runs on the GPU that serves the model. There a step costs
-# the operations it dispatches (each a kernel launch, and eager PyTorch
-# spends microseconds of host time on each) or the bytes it moves at the
-# card's bandwidth, whichever is larger; this CPU's speed says little about
-# either. Both are counted on CPU tensors, with CUDA's chunking.
-
-#: aten ops that launch no kernel on a GPU: allocation and metadata.
-_NO_KERNEL_OPS = frozenset(
-    {"empty", "empty_like", "empty_strided", "lift_fresh", "resize_", "set_"}
-    | {"_unsafe_view"}
-)
-#: aten ops that make the host wait for the device (a scalar read back:
-#: ``.item()``, ``bool(tensor)``).
-_HOST_SYNC_OPS = frozenset({"_local_scalar_dense"})
-#: In-place ops that overwrite their destination without reading it.
-_OVERWRITING_OPS = frozenset({"copy_", "fill_", "zero_"})
-
-
-def _tensors_in(value) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-class DeviceOpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched while it is active (one step's).
-
-    ``ops``: every op that is not a view (views change no data and launch
-    nothing); ``launches``: those that run a kernel on a GPU (``ops`` less
-    allocation and metadata ops, :data:`_NO_KERNEL_OPS`); ``syncs``: host
-    waits (:data:`_HOST_SYNC_OPS`, included in both). ``traffic_bytes``: the
-    bytes the ops read and write, from their tensors: each tensor argument is
-    read (a destination that is only overwritten, ``copy_``, is not), each
-    result or mutated argument written. That counts the bounce buffer's round
-    trips, which a GPU's L2 may absorb: an upper bound of the DRAM traffic.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.ops = self.launches = self.syncs = self.traffic_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out
-        name = func.overloadpacket.__name__
-        self.ops += 1
-        self.syncs += name in _HOST_SYNC_OPS
-        if name in _NO_KERNEL_OPS:
-            return out  # no kernel: reads and writes nothing
-        self.launches += 1
-        schema = func._schema.arguments
-        given = list(args) + [kwargs.get(a.name) for a in schema[len(args) :]]
-        read, written = [], []
-        for arg, value in zip(schema, given, strict=True):
-            tensors = _tensors_in(value)
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                written += tensors
-                if name not in _OVERWRITING_OPS:
-                    read += tensors
-            else:
-                read += tensors
-        if not written:
-            written = _tensors_in(out)
-        self.traffic_bytes += _nbytes(read) + _nbytes(written)
-        return out
-
-    def counts(self) -> dict[str, int]:
-        return {
-            "ops": self.ops,
-            "launches": self.launches,
-            "syncs": self.syncs,
-            "traffic_bytes": self.traffic_bytes,
-        }
-
-
-@contextlib.contextmanager
-def cuda_tiling() -> Iterator[None]:
-    """CPU tensors chunked as CUDA tensors are while the block runs: the
-    bounded steps' tile (``bounded_chunks._TILE_BYTES["cpu"]``) set to
-    CUDA's, restored after. Counting a step's operations inside gives the
-    number a GPU would dispatch."""
-    tiles = bounded_chunks._TILE_BYTES
-    saved = tiles["cpu"]
-    tiles["cpu"] = tiles["cuda"]
-    try:
-        yield
-    finally:
-        tiles["cpu"] = saved
-
-
-def count_step_ops(
-    make_layer: Callable[[], torch.nn.Module], tile: str = "cuda"
-) -> dict[str, dict[str, int]]:
-    """Per preparation step of a fresh ``make_layer()`` (and "total"): the
-    :class:`DeviceOpCounter` counts of running it at ``tile`` ("cuda": CUDA's
-    tile on these CPU tensors, :func:`cuda_tiling`; "cpu": the CPU's)."""
-    layer = make_layer()
-    steps = layer.quant_method.preparation_steps(layer)
-    tiling = cuda_tiling() if tile == "cuda" else contextlib.nullcontext()
-    out: dict[str, dict[str, int]] = {}
-    with tiling, preparing_weights(torch.device("cpu"), PREP["threads"]):
-        for name, fn in steps:
-            with DeviceOpCounter() as counter:
-                fn()
-            out[name] = counter.counts()
-    out["total"] = {
-        k: sum(c[k] for c in out.values()) for k in next(iter(out.values()))
-    }
-    return out
-
-
-def moved_bytes(rewritten: dict[str, int], read_only: tuple[str, ...]) -> dict:
-    """Bytes each step must move at least, read plus written, from the bytes
-    it rewrites (each read once and written once: 2x) or, for the steps in
-    ``read_only``, only reads (1x); "total" is recomputed."""
-    out = {s: n * (1 if s in read_only else 2) for s, n in rewritten.items()}
-    out["total"] = sum(n for s, n in out.items() if s != "total")
-    return out
-
-
-#: The GPU estimate's defaults (``--gpu-*``), for a 16 GB SM120 card: host
-#: time per eager torch op (Python, the dispatcher, the launch; 5-20 us on
-#: current CPUs), the extra wait of a host sync, and the effective bandwidth
-#: of the slowest such card (RTX 5060 Ti 16 GB: 448 GB/s peak, ~70% of it).
-GPU_ASSUMPTIONS = {"op_us": 10.0, "sync_us": 20.0, "bandwidth_gbs": 320.0}
-
-#: Steps that read tensors and write nothing (a check, the exponents).
-_READ_ONLY_STEPS = ("validate", "exponents")
-
-
-def gpu_estimate_s(ops: dict, moved: int, gpu: dict) -> float:
-    """Seconds one step would take on a GPU: the larger of its host time
-    (``ops["ops"]`` x ``gpu["op_us"]``: eager dispatch and launch, the
-    device working meanwhile) and its bytes over the effective bandwidth,
-    plus ``gpu["sync_us"]`` for each host sync (the queue drains)."""
-    host = ops["ops"] * gpu["op_us"] * 1e-6
-    device = moved / (gpu["bandwidth_gbs"] * 1e9)
-    return max(host, device) + ops["syncs"] * gpu["sync_us"] * 1e-6
-
-
 LAYOUTS = ("w4a4 alpha", "w4a4 fold", "w4a16")
 
 
 def measure_device_ops(preset, tensors, layouts=LAYOUTS) -> dict:
-    """Per layout of ``layouts`` (W4A4 in either mode, W4A16), per step: the
-    op counts at the CUDA and the CPU tile, and the bytes: ``rewritten``,
-    ``moved`` (the floor, :func:`moved_bytes`) and, from the CUDA tile's
-    count, ``traffic``."""
+    """Per layout of ``layouts`` (W4A4 in either mode, W4A16):
+    :func:`~vllm.benchmarks.moe_weight_prep.device_ops.count_layouts` of a
+    fresh layer of ``preset`` holding ``tensors``."""
 
     def w4a4(mode):
         cap, cpu = DEFAULT_MAX_TRANSIENT_BYTES, torch.device("cpu")
@@ -285,80 +129,7 @@ def measure_device_ops(preset, tensors, layouts=LAYOUTS) -> dict:
         "w4a4 fold": (w4a4("fold"), step_bytes["fold"]),
         "w4a16": (lambda: _w4a16_layer(preset, tensors), _w4a16_bytes(tensors)),
     }
-    layouts_made = {name: makers[name] for name in layouts}
-    out = {}
-    for layout, (make, rewritten) in layouts_made.items():
-        cuda, cpu = count_step_ops(make, "cuda"), count_step_ops(make, "cpu")
-        rewritten = {s: rewritten.get(s, 0) for s in cuda}
-        rewritten["total"] = sum(n for s, n in rewritten.items() if s != "total")
-        moved = moved_bytes(rewritten, _READ_ONLY_STEPS)
-        out[layout] = {
-            step: {
-                "ops_cuda_tile": cuda[step],
-                "ops_cpu_tile": cpu[step],
-                "rewritten_bytes": rewritten[step],
-                "moved_bytes": moved[step],
-                "traffic_bytes": cuda[step]["traffic_bytes"],
-            }
-            for step in cuda
-        }
-    return out
-
-
-def format_device_ops(preset, result: dict, gpu: dict) -> str:
-    """The op and byte table of :func:`measure_device_ops` and the GPU
-    estimate, with what was counted and assumed."""
-    tiles = bounded_chunks._TILE_BYTES
-    lines = [
-        f"On a GPU: what one {preset.name} MoE layer's preparation dispatches "
-        "and moves, per step",
-        "  ops: torch ops dispatched (views not counted), each a kernel launch "
-        "on a GPU (allocations aside); counted on CPU tensors",
-        f"  ops@CUDA: with CUDA's {tiles['cuda'] >> 20} MiB tile set for CPU "
-        "tensors while counting (bounded_chunks._TILE_BYTES): the chunks a GPU "
-        f"runs; ops@CPU: the CPU's {tiles['cpu'] / MIB:.2f} MiB tile",
-        "  syncs: host waits (.item(), bool() of a tensor)",
-        "  moved: bytes read + written, 2x what a step rewrites (1x what "
-        "validate and exponents only read): the floor",
-        "  traffic: what its ops read and write, the bounce buffer's round trips "
-        "included (a GPU's L2 holds some): the ceiling",
-    ]
-    for layout, steps in result.items():
-        lines += [
-            "",
-            f"{layout:<11}{'ops@CUDA':>9}{'ops@CPU':>9}{'syncs':>7}"
-            f"{'moved MiB':>11}{'traffic MiB':>13}",
-        ]
-        for step, r in steps.items():
-            lines.append(
-                f"{step:<11}{r['ops_cuda_tile']['ops']:>9,}"
-                f"{r['ops_cpu_tile']['ops']:>9,}{r['ops_cuda_tile']['syncs']:>7}"
-                f"{r['moved_bytes'] / MIB:>11,.0f}{r['traffic_bytes'] / MIB:>13,.0f}"
-            )
-    layers = preset.num_moe_layers
-    lines += [
-        "",
-        f"estimated on a 16 GB SM120 card, assumed: {gpu['op_us']:g} us of host "
-        f"time per op (eager dispatch and launch), {gpu['sync_us']:g} us more per "
-        f"sync, {gpu['bandwidth_gbs']:g} GB/s effective (--gpu-op-us, "
-        "--gpu-sync-us, --gpu-bandwidth-gbs); per step the larger of host time "
-        "and bytes / bandwidth; the range: moved .. traffic bytes",
-    ]
-    for layout, steps in result.items():
-        per_layer = [
-            sum(
-                gpu_estimate_s(r["ops_cuda_tile"], r[key], gpu)
-                for step, r in steps.items()
-                if step != "total"
-            )
-            for key in ("moved_bytes", "traffic_bytes")
-        ]
-        lines.append(
-            f"  {layout:<11}{per_layer[0] * 1e3:6.1f} - {per_layer[1] * 1e3:6.1f} ms "
-            f"per layer, {per_layer[0] * layers:.2f} - {per_layer[1] * layers:.2f} s "
-            f"for the {layers} MoE layers"
-        )
-    return "\n".join(lines)
+    return count_layouts({name: makers[name] for name in layouts})
 
 
 def _median(values: list[float]) -> float:
@@ -469,57 +240,6 @@ def measure(preset, tensors, repeats: int, floors: dict[int, float]) -> dict:
     }
 
 
-def _swizzle_at(src: torch.Tensor, offset: int):
-    """A fresh copy of ``src`` [E, R, C] at byte ``offset`` of a storage with
-    room for its swizzled result, and the in-place swizzle of it."""
-    e, r, c = src.shape
-    rp, cp = swizzled_blockscale_shape(r, c)
-    storage = torch.zeros(offset + e * rp * cp, dtype=torch.uint8)
-    scale = storage[offset : offset + e * r * c].view(e, r, c)
-    scale.copy_(src.view(torch.uint8))
-    scale = scale.view(torch.float8_e4m3fn)
-    return lambda: swizzle_blockscale_bounded(scale, storage_has_room=True)
-
-
-def measure_alternatives(tensors: dict, repeats: int) -> dict[str, float]:
-    """Median seconds of each step's chosen method and the one it replaced,
-    on the layer's w13 + w2 scales, one thread; results compared first."""
-    scales = [tensors["w13_weight_scale"], tensors["w2_weight_scale"]]
-    factors = [tensors["w13_weight_scale_2"], tensors["w2_weight_scale_2"]]
-
-    def run(make) -> tuple[float, list[torch.Tensor]]:
-        times, out = [], None
-        for _ in range(repeats):
-            calls = make()  # fresh inputs, not timed
-            with preparing_weights("cpu", PREP["threads"]):
-                start = time.perf_counter()
-                out = [call() for call in calls]
-                times.append(time.perf_counter() - start)
-        return _median(times), [o.view(torch.uint8).clone() for o in out]
-
-    words_t, words = run(lambda: [_swizzle_at(s, 0) for s in scales])
-    bytes_t, by_bytes = run(lambda: [_swizzle_at(s, 1) for s in scales])
-
-    def folds(fn):
-        def make():
-            pairs = zip([s.clone() for s in scales], factors, strict=True)
-            return [lambda s=s, f=f: fn(s, f) for s, f in pairs]
-
-        return make
-
-    table_t, table = run(folds(fold_global_scale_into_blockscale_))
-    float_t, by_float = run(folds(float_chunk_fold_))
-    for name, a, b in (("swizzle", words, by_bytes), ("fold", table, by_float)):
-        if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
-            raise RuntimeError(f"the two {name} methods give different bytes")
-    return {
-        "swizzle_words_s": words_t,
-        "swizzle_bytes_s": bytes_t,
-        "fold_table_s": table_t,
-        "fold_float_s": float_t,
-    }
-
-
 W4A16_STEPS = ["validate", "halves", "exponents", "w13", "w2", "finalize"]
 
 
@@ -544,7 +264,7 @@ def _w4a16_layer(preset, tensors):
 
 
 def _check_w4a16(preset, tensors) -> None:
-    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
         w4a16_pack_blockscale,
         w4a16_pack_weight,
         w4a16_scale_exponent,
@@ -838,7 +558,7 @@ def main() -> int:
             conditions[busy] = measure(preset, tensors, args.repeats, floors)
         label = _condition(busy, args.busy_threads)
         print("\n" + format_condition(label, conditions[busy], device_ops))
-    alternatives = measure_alternatives(tensors, args.repeats)
+    alternatives = measure_alternatives(tensors, args.repeats, PREP["threads"])
     a = alternatives
     print(
         "\nchoices inside the steps (w13 + w2 scales, one thread, quiet):\n"

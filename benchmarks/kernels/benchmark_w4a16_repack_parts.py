@@ -18,7 +18,7 @@ The same again with --busy-cores processes copying memory on other cores.
 With --torch-compile, also the chunk (fill, bit steps and write-back) as one
 ``torch.compile`` function: its time per expert after a first call, and the
 compilation time (seconds; a C++ compiler is needed). Every variant is
-checked against the reference (``nvfp4_utils.w4a16_pack_weight``) first.
+checked against the reference (``flashinfer_w4a16_layout.w4a16_pack_weight``) first.
 
     python benchmarks/kernels/benchmark_w4a16_repack_parts.py \\
         --model qwen3.6-35b-a3b --busy-cores 1 --torch-compile
@@ -34,7 +34,7 @@ import torch
 from vllm.benchmarks.moe_weight_prep.busy_cores import busy_cores
 from vllm.benchmarks.moe_weight_prep.presets import MOE_MODEL_PRESETS, get_preset
 from vllm.model_executor.layers.quantization.utils import flashinfer_w4a16_moe as w4
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_pack_weight,
 )
 from vllm.utils.argparse_utils import CommandLineParser, core_count, positive_int

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm.benchmarks.moe_weight_prep import device_ops
 from vllm.benchmarks.moe_weight_prep.presets import get_preset
 from vllm.model_executor.layers.quantization.utils import bounded_chunks
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
@@ -38,7 +39,7 @@ def bench():
 
 def test_views_are_not_counted_allocations_launch_nothing_syncs_are_told(bench):
     x = torch.zeros(8)
-    with bench.DeviceOpCounter() as counter:
+    with device_ops.DeviceOpCounter() as counter:
         y = x.view(2, 4)  # a view: no op
         y.add_(1)  # a kernel: reads and writes 32 bytes
         torch.empty(8)  # an allocation: an op, no kernel, no bytes
@@ -62,7 +63,7 @@ def test_views_are_not_counted_allocations_launch_nothing_syncs_are_told(bench):
 )
 def test_traffic_is_what_an_op_reads_and_writes(bench, op, traffic):
     a, b = torch.zeros(100, dtype=torch.uint8), torch.ones(100, dtype=torch.uint8)
-    with bench.DeviceOpCounter() as counter:
+    with device_ops.DeviceOpCounter() as counter:
         op(a, b)
     assert counter.counts()["traffic_bytes"] == traffic
 
@@ -70,10 +71,10 @@ def test_traffic_is_what_an_op_reads_and_writes(bench, op, traffic):
 def test_cuda_tiling_is_set_for_cpu_tensors_and_restored(bench):
     cpu = torch.device("cpu")
     before = bounded_chunks.tile_bytes(cpu)
-    with bench.cuda_tiling():
+    with device_ops.cuda_tiling():
         assert bounded_chunks.tile_bytes(cpu) == bounded_chunks._TILE_BYTES["cuda"]
     assert bounded_chunks.tile_bytes(cpu) == before
-    with pytest.raises(KeyError), bench.cuda_tiling():
+    with pytest.raises(KeyError), device_ops.cuda_tiling():
         raise KeyError("restored on an error too")
     assert bounded_chunks.tile_bytes(cpu) == before
 
@@ -84,12 +85,12 @@ def test_the_cuda_tile_dispatches_fewer_ops_on_a_tensor_larger_than_a_cpu_tile(b
     def counted():
         w = torch.zeros(8, 1024, 1024, dtype=torch.uint8)
         s = torch.zeros(8, 1024, 64, dtype=torch.uint8)
-        with bench.DeviceOpCounter() as counter:
+        with device_ops.DeviceOpCounter() as counter:
             reorder_w1w3_to_w3w1(w, s)
         return counter.counts()
 
     at_cpu = counted()
-    with bench.cuda_tiling():
+    with device_ops.cuda_tiling():
         at_cuda = counted()
     # Fewer, larger chunks; the same bytes read and written.
     assert at_cuda["ops"] < at_cpu["ops"], (at_cuda, at_cpu)
@@ -98,7 +99,7 @@ def test_the_cuda_tile_dispatches_fewer_ops_on_a_tensor_larger_than_a_cpu_tile(b
 
 def test_moved_bytes_are_twice_what_a_step_rewrites_once_what_it_reads(bench):
     rewritten = {"validate": 10, "w13": 100, "w2": 50, "total": 150}
-    moved = bench.moved_bytes(rewritten, ("validate",))
+    moved = device_ops.moved_bytes(rewritten, ("validate",))
     assert moved == {"validate": 10, "w13": 200, "w2": 100, "total": 310}
 
 
@@ -106,10 +107,10 @@ def test_the_gpu_estimate_is_the_larger_of_host_time_and_bandwidth(bench):
     gpu = {"op_us": 10.0, "sync_us": 20.0, "bandwidth_gbs": 100.0}
     # 1,000 ops: 10 ms of host time against 1 MB at 100 GB/s (10 us).
     host_bound = {"ops": 1000, "syncs": 0}
-    assert bench.gpu_estimate_s(host_bound, 10**6, gpu) == pytest.approx(0.01)
+    assert device_ops.gpu_estimate_s(host_bound, 10**6, gpu) == pytest.approx(0.01)
     # 1 op against 1 GB: 10 ms of bandwidth; two syncs add 40 us.
     bandwidth_bound = {"ops": 1, "syncs": 2}
-    assert bench.gpu_estimate_s(bandwidth_bound, 10**9, gpu) == pytest.approx(
+    assert device_ops.gpu_estimate_s(bandwidth_bound, 10**9, gpu) == pytest.approx(
         0.01 + 40e-6
     )
 
@@ -140,7 +141,7 @@ def test_device_ops_only_prints_counts_bytes_and_the_estimate(
     for layout in ("w4a4 alpha", "w4a4 fold", "w4a16"):
         assert f"  {layout:<11}" in out  # its estimate line
     data = json.loads(out_json.read_text())
-    assert data["gpu_assumptions"] == bench.GPU_ASSUMPTIONS
+    assert data["gpu_assumptions"] == device_ops.GPU_ASSUMPTIONS
     w4a16 = data["device_ops"]["w4a16"]
     w13 = small.num_experts * 2 * small.intermediate_size * small.hidden_size
     codes_and_scales = w13 // 2 + w13 // 16

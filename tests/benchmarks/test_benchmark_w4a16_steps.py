@@ -81,14 +81,14 @@ def test_quiet_only_with_no_busy_cores(bench, monkeypatch, capsys):
 
 
 def test_a_wrong_preparation_is_refused_before_timing(bench, monkeypatch, capsys):
-    from vllm.model_executor.layers.quantization.utils import nvfp4_utils
+    from vllm.model_executor.layers.quantization.utils import flashinfer_w4a16_layout
 
-    real = nvfp4_utils.w4a16_pack_weight
+    real = flashinfer_w4a16_layout.w4a16_pack_weight
 
     def rotated_wrong(weight, rotate=0):
         return real(weight, (rotate + 64) % weight.shape[1])
 
-    monkeypatch.setattr(nvfp4_utils, "w4a16_pack_weight", rotated_wrong)
+    monkeypatch.setattr(flashinfer_w4a16_layout, "w4a16_pack_weight", rotated_wrong)
     monkeypatch.setattr(bench, "measure_w4a16", lambda *a, **k: pytest.fail("timed"))
     monkeypatch.setattr(sys, "argv", ["steps", "--w4a16", "only", "--repeats", "1"])
     with pytest.raises(SystemExit, match="W4A16 w13 differs from the reference"):
@@ -165,7 +165,7 @@ def test_repack_parts_are_each_measured_on_a_small_expert():
 def test_the_chunk_given_to_torch_compile_is_the_layout():
     # Run eagerly here (compiling takes seconds): the same function the
     # script compiles gives the reference bytes; a wrong rotation does not.
-    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
         w4a16_pack_weight,
     )
 

@@ -38,37 +38,10 @@ def test_plot_has_a_legend_units_and_one_colour_per_step():
 
     from vllm.benchmarks.moe_weight_prep.plot import STEP_COLOURS, plot_figure
 
-    def rec(step, seconds, levels, growth=0):
-        timeline = [(i, lvl) for i, lvl in enumerate(levels)]
-        peak = max(levels, default=0)
-        return {
-            "step": step,
-            "time_s": seconds,
-            "timeline": timeline,
-            "growth_bytes": growth,
-            "peak_bytes": peak,
-        }
-
-    mib = 1 << 20
-    result = {
-        "model": "m",
-        "device": "cpu",
-        "max_transient_bytes": 64 * mib,
-        "first_layer_timelines": {
-            "legacy": [
-                rec("reorder", 0.09, [288 * mib, 0]),
-                rec("swizzle", 0.08, [64 * mib, 0]),
-                rec("fold", 0.27, [288 * mib, 0]),
-            ],
-            "bounded": [
-                rec("validate", 0.003, []),
-                rec("fold", 0.0, []),
-                rec("reorder", 0.02, [2 * mib, 0]),
-                rec("swizzle", 0.01, [2 * mib, 0]),
-                rec("finalize", 0.0, []),
-            ],
-        },
-    }
+    result = _result()
+    bounded = result["first_layer_timelines"]["bounded"]
+    bounded.insert(1, _rec("fold", 0.0, []))
+    bounded.append(_rec("finalize", 0.0, []))
     fig = plot_figure(result)
     legend = fig.legends[0]
     labels = [t.get_text() for t in legend.get_texts()]
@@ -92,32 +65,34 @@ def test_plot_has_a_legend_units_and_one_colour_per_step():
         assert [mcolors.to_hex(c) for c in colours] == [mcolors.to_hex(c) for c in want]
 
 
+def _rec(step, seconds, levels, growth=0):
+    return {
+        "step": step,
+        "time_s": seconds,
+        "growth_bytes": growth,
+        "timeline": list(enumerate(levels)),
+        "peak_bytes": max(levels, default=0),
+    }
+
+
 def _result(**extra):
+    """A report's result: the legacy steps and the bounded ones (validate,
+    reorder, swizzle) of one layer, under a 64 MiB cap."""
     mib = 1 << 20
-
-    def rec(step, seconds, levels, growth=0):
-        return {
-            "step": step,
-            "time_s": seconds,
-            "growth_bytes": growth,
-            "timeline": list(enumerate(levels)),
-            "peak_bytes": max(levels, default=0),
-        }
-
     return {
         "model": "m",
         "device": "cpu",
         "max_transient_bytes": 64 * mib,
         "first_layer_timelines": {
             "legacy": [
-                rec("reorder", 0.09, [288 * mib, 0]),
-                rec("swizzle", 0.08, [64 * mib, 0]),
-                rec("fold", 0.27, [288 * mib, 0]),
+                _rec("reorder", 0.09, [288 * mib, 0]),
+                _rec("swizzle", 0.08, [64 * mib, 0]),
+                _rec("fold", 0.27, [288 * mib, 0]),
             ],
             "bounded": [
-                rec("validate", 0.003, []),
-                rec("reorder", 0.02, [2 * mib, 0]),
-                rec("swizzle", 0.01, [2 * mib, 0]),
+                _rec("validate", 0.003, []),
+                _rec("reorder", 0.02, [2 * mib, 0]),
+                _rec("swizzle", 0.01, [2 * mib, 0]),
             ],
         },
         **extra,

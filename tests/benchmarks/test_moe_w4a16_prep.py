@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.benchmarks.moe_prep_cli_utils import checkpoint_argv, example_checkpoint
 from tests.kernels.utils import bytes_of
 from vllm.benchmarks.moe_weight_prep.baselines import (
     PACKED_FIELDS,
@@ -148,49 +149,23 @@ def test_run_compares_every_variant_and_adds_up_the_model(shape):
 
 
 def _write(path, quant, layers=2, fmt="modelopt"):
-    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
-        main as write_example,
+    return example_checkpoint(
+        path,
+        "--format",
+        fmt,
+        "--quant",
+        quant,
+        layers=layers,
+        experts=4,
+        intermediate=128,
     )
-
-    write_example(
-        [
-            str(path),
-            "--format",
-            fmt,
-            "--quant",
-            quant,
-            "--num-layers",
-            str(layers),
-            "--num-experts",
-            "4",
-            "--top-k",
-            "2",
-            "--hidden-size",
-            "256",
-            "--intermediate-size",
-            "128",
-        ]
-    )
-    return path
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
 def test_w4a16_checkpoint_auto(tmp_path, capsys, fmt):
     ckpt = _write(tmp_path / "ckpt", "w4a16", fmt=fmt)
     out_json = tmp_path / "r.json"
-    main(
-        [
-            "bench",
-            "moe-weight-prep",
-            "--checkpoint",
-            str(ckpt),
-            "--no-progress",
-            "--json",
-            str(out_json),
-            "--memory-limit",
-            "1MiB",
-        ]
-    )
+    main(checkpoint_argv(ckpt, "--json", str(out_json), "--memory-limit", "1MiB"))
     text = capsys.readouterr().out
     assert "W4A16 (weight-only NVFP4) preparation for b12x" in text
     assert f"({fmt}), checkpoint weights" in text
@@ -217,19 +192,7 @@ def test_mixed_checkpoint_takes_the_mode_asked_for(tmp_path, capsys):
     assert "mixes w4a4 and w4a16 MoE layers (w4a16: [0, 2])" in err
     out_json = tmp_path / "r.json"
     for quant, layers in (("w4a16", 2), ("w4a4", 1)):
-        main(
-            [
-                "bench",
-                "moe-weight-prep",
-                "--checkpoint",
-                str(ckpt),
-                "--quant",
-                quant,
-                "--no-progress",
-                "--json",
-                str(out_json),
-            ]
-        )
+        main(checkpoint_argv(ckpt, "--quant", quant, "--json", str(out_json)))
         job = json.loads(out_json.read_text())
         assert job["ranks"][0]["num_layers"] == layers
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from tests.benchmarks.moe_prep_cli_utils import checkpoint_argv, example_checkpoint
 from vllm.entrypoints.cli.main import main
 
 MIB = 1 << 20
@@ -61,45 +62,14 @@ def test_list_and_errors(capsys):
 
 
 def _example(path, fmt="modelopt", layers=2):
-    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
-        main as write_example,
-    )
-
-    write_example(
-        [
-            str(path),
-            "--format",
-            fmt,
-            "--num-layers",
-            str(layers),
-            "--num-experts",
-            "8",
-            "--top-k",
-            "2",
-            "--hidden-size",
-            "256",
-            "--intermediate-size",
-            "256",
-        ]
-    )
-    return path
+    return example_checkpoint(path, "--format", fmt, layers=layers)
 
 
 @pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
 def test_checkpoint_directory(tmp_path, capsys, fmt):
     ckpt = _example(tmp_path / "ckpt", fmt)
     out_json = tmp_path / "r.json"
-    main(
-        [
-            "bench",
-            "moe-weight-prep",
-            "--checkpoint",
-            str(ckpt),
-            "--no-progress",
-            "--json",
-            str(out_json),
-        ]
-    )
+    main(checkpoint_argv(ckpt, "--json", str(out_json)))
     text = capsys.readouterr().out
     assert f"({fmt}), checkpoint weights" in text
     result = json.loads(out_json.read_text())["ranks"][0]
@@ -124,20 +94,7 @@ def test_parallel_ranks_each_prepare_their_shard(tmp_path, capsys, case):
     flags, shard, w13 = PARALLEL[case]
     ckpt = _example(tmp_path / "ckpt")
     out_json = tmp_path / "r.json"
-    main(
-        [
-            "bench",
-            "moe-weight-prep",
-            "--checkpoint",
-            str(ckpt),
-            "--tp",
-            "2",
-            *flags,
-            "--no-progress",
-            "--json",
-            str(out_json),
-        ]
-    )
+    main(checkpoint_argv(ckpt, "--tp", "2", *flags, "--json", str(out_json)))
     text = capsys.readouterr().out
     ranks = json.loads(out_json.read_text())["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1]
@@ -176,18 +133,7 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path, capsys):
             save_file(tensors, f)
     start = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
-        main(
-            [
-                "bench",
-                "moe-weight-prep",
-                "--checkpoint",
-                str(ckpt),
-                "--tp",
-                "2",
-                "--enable-expert-parallel",
-                "--no-progress",
-            ]
-        )
+        main(checkpoint_argv(ckpt, "--tp", "2", "--enable-expert-parallel"))
     assert exit_info.value.code == 1
     # Well before the collectives' 600 s timeout (a hang would reach it);
     # seconds on a quiet machine, 69 s once with ~8 sessions on 2 cores.
@@ -260,17 +206,7 @@ def test_memory_limit_exceeded_exits_non_zero(tmp_path, capsys):
 def test_several_layers_are_each_timed_and_metered_once_per_shape(tmp_path, capsys):
     out_json = tmp_path / "r.json"
     ckpt = _example(tmp_path / "c", layers=3)
-    main(
-        [
-            "bench",
-            "moe-weight-prep",
-            "--checkpoint",
-            str(ckpt),
-            "--no-progress",
-            "--json",
-            str(out_json),
-        ]
-    )
+    main(checkpoint_argv(ckpt, "--json", str(out_json)))
     result = json.loads(out_json.read_text())["ranks"][0]
     layers = result["layers"]
     assert len(layers) == 3

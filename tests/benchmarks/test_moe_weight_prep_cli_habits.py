@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tests.benchmarks.moe_prep_cli_utils import checkpoint_argv, example_checkpoint
 from vllm.entrypoints.cli.main import main, make_parser
 from vllm.utils.argparse_utils import available_cores, core_count
 
@@ -186,28 +187,9 @@ def test_busy_cores_are_bounded_by_the_cores_this_process_may_run_on(monkeypatch
 
 
 def _example(path, activation="silu", layers=1, experts=8):
-    from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
-        main as write_example,
+    return example_checkpoint(
+        path, "--activation", activation, layers=layers, experts=experts
     )
-
-    write_example(
-        [
-            str(path),
-            "--num-layers",
-            str(layers),
-            "--num-experts",
-            str(experts),
-            "--top-k",
-            "2",
-            "--hidden-size",
-            "256",
-            "--intermediate-size",
-            "256",
-            "--activation",
-            activation,
-        ]
-    )
-    return path
 
 
 def test_a_damaged_second_shard_is_refused_before_the_first_layer(
@@ -309,19 +291,7 @@ def test_json_is_written_before_the_plot_and_survives_its_failure(
     out, plot = tmp_path / "r.json", tmp_path / "p.png"
     ckpt = _example(tmp_path / "ckpt")
     with pytest.raises(SystemExit) as exit_info:
-        main(
-            [
-                "bench",
-                "moe-weight-prep",
-                "--checkpoint",
-                str(ckpt),
-                "--no-progress",
-                "--json",
-                str(out),
-                "--plot",
-                str(plot),
-            ]
-        )
+        main(checkpoint_argv(ckpt, "--json", str(out), "--plot", str(plot)))
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"{PROG}: error: --plot {plot}: No space left on device"], err

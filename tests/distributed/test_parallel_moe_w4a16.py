@@ -15,6 +15,7 @@ same shard), so the sum counts those twice and misses the others.
 import pytest
 import torch
 
+from tests.kernels.moe.nvfp4_w4a16_utils import w4a16_layer
 from tests.kernels.moe.test_nvfp4_moe_prep_state import _load_through_loader
 from tests.kernels.moe.utils import (
     bf16_experts,
@@ -26,24 +27,13 @@ from vllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from vllm.distributed.launcher import spawn_workers
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
 TOL = 0.006
 E, H, I_SIZE = 8, 256, 128
 
 
 def _layer(gated, **parallel):
-    return FusedMoE(
-        num_experts=E,
-        top_k=4,
-        hidden_size=H,
-        intermediate_size=I_SIZE,
-        activation="silu" if gated else "relu2",
-        quant_config=ModelOptNvFp4Config.for_mode("w4a16"),
-        moe_backend="flashinfer_b12x_emulated",
-        **parallel,
-    )
+    return w4a16_layer(E, H, I_SIZE, gated, place_w3w1=None, top_k=4, **parallel)
 
 
 def _tensors(gated):

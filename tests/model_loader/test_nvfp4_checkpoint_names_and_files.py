@@ -15,8 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.kernels.utils import bytes_of
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+from tests.model_loader.nvfp4_ckpt_utils import make_layer
 from vllm.model_executor.model_loader import checkpoint_files
 from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
     random_bf16_experts,
@@ -46,15 +45,7 @@ def _write(path, layers=(0, 1), seed=0, **kwargs):
 
 
 def _layer():
-    return FusedMoE(
-        num_experts=E,
-        top_k=TOPK,
-        hidden_size=H,
-        intermediate_size=I,
-        quant_config=ModelOptNvFp4Config.for_mode(),
-        moe_backend="flashinfer_b12x_emulated",
-        device="cpu",
-    )
+    return make_layer(e=E, h=H, i=I)
 
 
 def _loaded(ckpt, key):

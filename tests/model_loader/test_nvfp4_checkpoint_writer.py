@@ -252,7 +252,7 @@ def test_experts_quantized_together_are_each_expert_quantized_alone(
     # The writer quantizes several experts per call (one global scale each);
     # the checkpoint must hold the bytes of quantizing every expert alone,
     # whatever the number per call: 1, 3 of 4 (a short last call), all.
-    from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
         nvfp4_global_scale,
         quantize_nvfp4,
     )

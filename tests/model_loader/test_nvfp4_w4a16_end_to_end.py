@@ -14,9 +14,8 @@ from tests.kernels.moe.utils import (
     split_cat_halves,
 )
 from tests.kernels.utils import bytes_of
-from vllm.model_executor.layers.fused_moe.layer import FusedMoE
+from tests.model_loader.nvfp4_ckpt_utils import make_layer
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.model_loader.nvfp4_checkpoint_writer import (
     write_nvfp4_moe_checkpoint,
 )
@@ -89,17 +88,7 @@ def _write(path, fmt, gated, quant_mode, **kwargs):
 
 
 def _prepared(ckpt, idx, gated, **kwargs):
-    layer = FusedMoE(
-        num_experts=E,
-        top_k=TOPK,
-        hidden_size=H,
-        intermediate_size=I,
-        activation="silu" if gated else "relu2",
-        quant_config=ckpt.quant_config(idx),
-        moe_backend=BACKEND,
-        device="cpu",
-        **kwargs,
-    )
+    layer = make_layer(gated, quant_config=ckpt.quant_config(idx), **kwargs)
     ckpt.load_layer(layer, idx)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
@@ -166,15 +155,7 @@ def test_w4a4_checkpoint_prepares_as_before(tmp_path, fmt):
     ckpt = _write(tmp_path, fmt, True, "w4a4")
     assert ckpt.quant_config(0).quant_mode == "w4a4"
     a = _prepared(ckpt, 0, True)
-    b = FusedMoE(
-        num_experts=E,
-        top_k=TOPK,
-        hidden_size=H,
-        intermediate_size=I,
-        quant_config=ModelOptNvFp4Config.for_mode(),
-        moe_backend=BACKEND,
-        device="cpu",
-    )
+    b = make_layer()
     for name, e, proj, suffix, t in ckpt.iter_layer_tensors(0):
         shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
         param = getattr(b, f"{'w2' if shard == 'w2' else 'w13'}_{suffix}")

@@ -20,7 +20,7 @@ import types
 
 import pytest
 import torch
-from upstream_reports import moe_inputs
+from upstream_reports import experts_apply, moe_inputs
 
 from upstream_layers import MoEShape, prepare_layer
 
@@ -90,26 +90,8 @@ def _apply(layer, seed: int, tokens: int) -> torch.Tensor:
     arguments. (``moe_kernel.apply`` itself takes its workspaces from vLLM's
     worker WorkspaceManager, which queries accelerator memory: not on CPU.)"""
     x, weights, ids = moe_inputs(HOST, tokens, seed)
-    method = layer.quant_method
-    out = torch.empty_like(x)
-    method.moe_kernel.fused_experts.apply(
-        out,
-        x,
-        layer.w13_weight,
-        layer.w2_weight,
-        weights,
-        ids,
-        method.moe.activation,
-        method.moe.num_experts,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-    )
-    return out
+    experts = layer.quant_method.moe_kernel.fused_experts
+    return experts_apply(experts, layer, x, weights, ids)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)

@@ -22,11 +22,11 @@ silently wrong layer.
 """
 
 import pytest
-import torch
 from torch.overrides import TorchFunctionMode
 from upstream_reload import load_through_weight_loader
 from upstream_reports import (
     emulated_apply,
+    experts_apply,
     function_errors,
     moe_inputs,
     prepared_b12x_report,
@@ -70,26 +70,7 @@ def _apply_real(layer):
     """The real experts' apply on the layer (refuses before FlashInfer is
     reached when the layer is not prepared or was changed)."""
     x, weights, ids = moe_inputs(SMALL, 8, 0)
-    out = torch.empty_like(x)
-    method = layer.quant_method
-    _experts(layer).apply(
-        out,
-        x,
-        layer.w13_weight,
-        layer.w2_weight,
-        weights,
-        ids,
-        method.moe.activation,
-        method.moe.num_experts,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-    )
-    return out
+    return experts_apply(_experts(layer), layer, x, weights, ids)
 
 
 def test_modelopt_prepared_twice_changes_nothing(one_rank_b12x_vllm):

@@ -10,7 +10,7 @@ NVFP4A16 (``input_activations: null``, ``CompressedTensorsConfig.from_config``)
 all build upstream's NVFP4 MoE methods with ``use_a16``; the fork's oracle
 gives them the W4A16 quant config, and its experts pack the layer into
 FlashInfer's W4A16 layout in the parameters' own storage: the bytes of the
-fork's reference packing (nvfp4_utils.w4a16_pack_weight /
+fork's reference packing (flashinfer_w4a16_layout.w4a16_pack_weight /
 w4a16_pack_blockscale, tested on their own in the slice), and the
 function of the checkpoint within 0.01 relative RMS (emulated experts),
 gate/up swapped as the control. At the Qwen3.6 layer (slow): the peak.
@@ -36,7 +36,9 @@ SHAPES = [SMALL]
 
 
 def _check_w4a16_layer(layer, experts, config: str) -> None:
-    from vllm.model_executor.layers.quantization.utils import nvfp4_utils as ref
+    from vllm.model_executor.layers.quantization.utils import (
+        flashinfer_w4a16_layout as ref,
+    )
 
     method = layer.quant_method
     fused = method.moe_kernel.fused_experts

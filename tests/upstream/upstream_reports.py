@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint_dequantized_experts",
     "checkpoint_global_scales",
     "emulated_apply",
+    "experts_apply",
     "function_errors",
     "moe_inputs",
     "prep_reports_on_cpu",
@@ -43,7 +44,7 @@ __all__ = [
     "rel_rms",
 ]
 
-_NVFP4_UTILS = "vllm/model_executor/layers/quantization/utils/nvfp4_utils.py"
+_NVFP4_FORMAT = "vllm/model_executor/layers/quantization/utils/nvfp4_format.py"
 _MOE_REFERENCE = "tests/kernels/moe/moe_reference.py"
 
 
@@ -104,7 +105,7 @@ def prepared_dequantized_experts(
     [E, 2I, H] in [gate; up] order, w2 float32 [E, H, I]). E2M1 codes x
     the 128x4 block scales (unswizzled) x the kernel's per-expert alphas
     (:func:`prepared_kernel_alphas`: one for both halves of w13)."""
-    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    nvfp4 = load_slice_module(_NVFP4_FORMAT)
     e, h, i = shape.num_experts, shape.hidden_size, shape.intermediate_size
     a1, a2 = (
         a.detach().float().reshape(e, 1, 1) for a in prepared_kernel_alphas(layer)
@@ -121,7 +122,7 @@ def checkpoint_dequantized_experts(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint's weights, float32: (w13 [E, 2I, H] [gate; up], each
     half times its own global scale; w2 [E, H, I])."""
-    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    nvfp4 = load_slice_module(_NVFP4_FORMAT)
     i = experts.w13.shape[1] // 2
     rows = experts.w13_scale_2.repeat_interleave(i, dim=1).unsqueeze(-1)  # [E, 2I, 1]
     w13 = nvfp4.dequantize_nvfp4(experts.w13, experts.w13_scale, 1.0) * rows
@@ -172,7 +173,7 @@ def prepared_b12x_report(
     * ``digests``: sha256 of the bytes of the weights and block scales.
     * ``parameters``: name -> [shape, dtype] after preparation.
     """
-    nvfp4 = load_slice_module(_NVFP4_UTILS)
+    nvfp4 = load_slice_module(_NVFP4_FORMAT)
     method = layer.quant_method
     fused = method.moe_kernel.fused_experts
     quant = method.moe_quant_config
@@ -337,6 +338,37 @@ def prepared_function_errors(
     }
 
 
+def experts_apply(
+    experts,
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """``experts.apply`` on ``layer``'s weights with upstream's 15 arguments
+    (no expert map, no scales passed, no accumulation): a new output."""
+    method = layer.quant_method
+    out = torch.empty_like(x)
+    experts.apply(
+        out,
+        x,
+        layer.w13_weight,
+        layer.w2_weight,
+        topk_weights,
+        topk_ids,
+        method.moe.activation,
+        method.moe.num_experts,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        False,
+    )
+    return out
+
+
 def emulated_apply(
     layer: torch.nn.Module,
     x: torch.Tensor,
@@ -360,25 +392,7 @@ def emulated_apply(
     )
     if bind:
         emulated.process_weights_after_loading(layer)
-    out = torch.empty_like(x)
-    emulated.apply(
-        out,
-        x,
-        layer.w13_weight,
-        layer.w2_weight,
-        topk_weights,
-        topk_ids,
-        method.moe.activation,
-        method.moe.num_experts,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
-    )
-    return out
+    return experts_apply(emulated, layer, x, topk_weights, topk_ids)
 
 
 def function_errors(

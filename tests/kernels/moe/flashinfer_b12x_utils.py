@@ -5,7 +5,7 @@ NVFP4 tensors and what those decode to, and the layer, configs and call the
 experts see through vLLM's modular-kernel interface.
 
 Imports only torch and vLLM names 0.33.0 has plus this branch's new ones
-(the NVFP4 reference in ``nvfp4_utils``), nothing from the other test
+(the NVFP4 reference in ``nvfp4_format``), nothing from the other test
 helpers: in upstream's test tree this is a new file beside its own
 ``tests/kernels/moe/utils.py``."""
 
@@ -25,7 +25,7 @@ from vllm.model_executor.layers.fused_moe.config import (
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEExpertsModular,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     dequantize_nvfp4,
     global_scale_to_modelopt,
     nvfp4_global_scale,

@@ -43,7 +43,7 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     unswizzle_blockscale,
 )
 
@@ -86,7 +86,7 @@ def _mnk_ids(cases: list[tuple[int, int, int]]) -> list[str]:
 #
 # W4A4 vs the BF16 MoE on the UNQUANTIZED weights. One NVFP4 quantization of
 # Gaussian-like data has an SQNR of ~19.6 dB (derived in
-# test_nvfp4_utils.test_sqnr_floor_on_random_data), a relative RMS error
+# test_nvfp4_format.test_sqnr_floor_on_random_data), a relative RMS error
 # e ~ 0.105. FC1 multiplies two quantized operands (x, w1): sqrt(2) e ~ 0.15;
 # the gated product carries the errors of gate and up: ~sqrt(2) * 0.15 ~ 0.21;
 # FC2 adds the intermediate's and w2's quantization: sqrt(0.21^2 + 2 e^2)

@@ -36,15 +36,17 @@ from tests.kernels.moe.utils import (
     rel_rms_error,
     split_cat_halves,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
+    quantize_nvfp4_b12x_activation,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     _b12x_activation_scales,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     FLOAT4_E2M1_MAX,
     FLOAT8_E4M3_MAX,
     dequantize_nvfp4,
     quantize_nvfp4,
-    quantize_nvfp4_b12x_activation,
 )
 
 E, H, I, TOPK, T = 8, 2048, 512, 2, 64  # noqa: E741

@@ -13,8 +13,8 @@ from tests.kernels.moe.utils import (
     rel_rms_error,
     split_cat_halves,
 )
+from tests.model_loader.nvfp4_ckpt_utils import make_layer
 from vllm.model_executor.layers.fused_moe.layer import FusedMoE
-from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
 )
@@ -78,14 +78,7 @@ def _inputs(std: float):
 
 
 def _prepared(ckpt, mode: str) -> FusedMoE:
-    layer = FusedMoE(
-        num_experts=E,
-        top_k=TOPK,
-        hidden_size=H,
-        intermediate_size=I,
-        quant_config=ModelOptNvFp4Config.for_mode(),
-        moe_backend="flashinfer_b12x_emulated",
-        device="cpu",
+    layer = make_layer(
         experts_kwargs={"weights_only": True, "global_scale_mode": mode},
     )
     ckpt.load_layer(layer, 0)

@@ -24,9 +24,11 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
 )
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    swizzled_blockscale_shape,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
-    swizzled_blockscale_shape,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 

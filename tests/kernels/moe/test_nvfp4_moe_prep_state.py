@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tests.kernels.moe.nvfp4_w4a16_utils import PACKED_FIELDS
 from tests.kernels.moe.utils import (
     bf16_experts,
     load_nvfp4_experts,
@@ -105,14 +106,7 @@ def _snapshot(layer) -> dict[str, torch.Tensor]:
     experts = layer.quant_method.experts
     kernel = experts.prepared
     if experts.weight_only:  # W4A16: the packed views and global scales
-        for key in (
-            "w13",
-            "w13_scale",
-            "w13_global_scale",
-            "w2",
-            "w2_scale",
-            "w2_global_scale",
-        ):
+        for key in PACKED_FIELDS:
             snap[key] = bytes_of(getattr(kernel, key).contiguous()).clone()
         return snap
     for key in ("w1_alpha", "w2_alpha", "fc2_input_scale"):

@@ -105,10 +105,10 @@ def test_w4a16_steps_wait_once_before_they_are_recorded(monkeypatch):
     # The W4A16 experts record their steps through the same function: each
     # step waits once, before it is in ``done`` (it did not wait at all when
     # the W4A16 class kept its own copy of the loop).
-    from tests.kernels.moe.test_nvfp4_w4a16_prep import _tensors, _w4a16_layer
+    from tests.kernels.moe.nvfp4_w4a16_utils import w4a16_layer, w4a16_tensors
 
-    layer = _w4a16_layer(E, H, I, True, cap=64 * 1024)
-    load_nvfp4_experts(layer, _tensors(E, H, I, True, seed=3))
+    layer = w4a16_layer(E, H, I, True, cap=64 * 1024)
+    load_nvfp4_experts(layer, w4a16_tensors(E, H, I, True, seed=3))
     state = get_prep_state(layer)
     steps = [n for n, _ in layer.quant_method.preparation_steps(layer)]
     seen = []
@@ -138,10 +138,10 @@ def test_restore_steps_wait_once_before_they_are_recorded(monkeypatch):
 
 
 def test_w4a16_restore_steps_wait_once_before_they_are_recorded(monkeypatch):
-    from tests.kernels.moe.test_nvfp4_w4a16_prep import _tensors, _w4a16_layer
+    from tests.kernels.moe.nvfp4_w4a16_utils import w4a16_layer, w4a16_tensors
 
-    layer = _w4a16_layer(E, H, I, True, cap=64 * 1024)
-    load_nvfp4_experts(layer, _tensors(E, H, I, True, seed=3))
+    layer = w4a16_layer(E, H, I, True, cap=64 * 1024)
+    load_nvfp4_experts(layer, w4a16_tensors(E, H, I, True, seed=3))
     seen = _restore_waits(layer, monkeypatch)
     assert seen == [[], ["unpack.w13"]]
 

@@ -21,9 +21,11 @@ from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     swizzle_blockscale_bounded,
     unswizzle_blockscale_bounded_,
 )
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    unswizzle_blockscale,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
-    unswizzle_blockscale,
 )
 from vllm.utils.mem_utils import measure_peak_memory
 

@@ -31,9 +31,11 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEParallelConfig,
     RoutingMethodType,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     dequantize_nvfp4,
     global_scale_from_modelopt,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     swizzle_blockscale,
 )
 

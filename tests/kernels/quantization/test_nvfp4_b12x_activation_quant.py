@@ -21,10 +21,12 @@ import struct
 import pytest
 import torch
 
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
+    quantize_nvfp4_b12x_activation,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     dequantize_nvfp4,
     e2m1_decode,
-    quantize_nvfp4_b12x_activation,
     unpack_fp4,
 )
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""FlashInfer's W4A16 layout in the NVFP4 reference (nvfp4_utils.w4a16_*):
+"""FlashInfer's W4A16 layout (flashinfer_w4a16_layout.w4a16_*):
 positions and encodings from the definition, round trips, and FlashInfer
 0.7.4's own prepare functions as the oracle (skipped without flashinfer)."""
 
@@ -11,11 +11,7 @@ import pytest
 import torch
 
 from tests.kernels.moe.utils import bf16_experts, quantize_experts_modelopt
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    dequantize_nvfp4,
-    pack_fp4,
-    swizzle_blockscale,
-    unpack_fp4,
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_alpha,
     w4a16_blockscale_inverse_table,
     w4a16_blockscale_table,
@@ -26,6 +22,14 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     w4a16_scale_exponent,
     w4a16_unpack_blockscale,
     w4a16_unpack_weight,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    dequantize_nvfp4,
+    pack_fp4,
+    unpack_fp4,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
 )
 
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None

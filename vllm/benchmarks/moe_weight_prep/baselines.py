@@ -16,7 +16,7 @@ the source. Two baselines, both on the tensors as FlashInfer's API takes them
 
 * :func:`public_copy_reference`: that public path's memory behaviour, made
   with this package's whole-tensor reference
-  (:mod:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils`): the
+  (:mod:`~vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout`): the
   block scales unswizzled into new tensors, new packed tensors of the full
   size filled one expert at a time, the result kept. Always available.
 * :func:`flashinfer_w4a16_prepare`: FlashInfer's own function (public, or its
@@ -29,20 +29,33 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from unittest import mock
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    swizzle_blockscale,
-    swizzled_blockscale_shape,
-    unswizzle_blockscale,
+from vllm.entrypoints.process_policy import PREP_CPU_THREADS, preparing_weights
+from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
+    fold_global_scale_into_blockscale_,
+)
+from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
+    swizzle_blockscale_bounded,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_global_scale,
     w4a16_pack_blockscale,
     w4a16_pack_weight,
     w4a16_scale_exponent,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    swizzled_blockscale_shape,
+    unswizzle_blockscale,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
 )
 
 __all__ = [
@@ -54,6 +67,7 @@ __all__ = [
     "float_chunk_fold_",
     "legacy_fold",
     "legacy_preparation_steps",
+    "measure_alternatives",
     "legacy_swizzle",
     "public_copy_reference",
     "split_cat_halves",
@@ -338,3 +352,57 @@ def flashinfer_w4a16_prepare(
             reuse_input_storage=reuse_input_storage,
         )
     return {name: getattr(packed, name) for name in PACKED_FIELDS}
+
+
+def _swizzle_at(src: torch.Tensor, offset: int):
+    """A fresh copy of ``src`` [E, R, C] at byte ``offset`` of a storage with
+    room for its swizzled result, and the in-place swizzle of it."""
+    e, r, c = src.shape
+    rp, cp = swizzled_blockscale_shape(r, c)
+    storage = torch.zeros(offset + e * rp * cp, dtype=torch.uint8)
+    scale = storage[offset : offset + e * r * c].view(e, r, c)
+    scale.copy_(src.view(torch.uint8))
+    scale = scale.view(torch.float8_e4m3fn)
+    return lambda: swizzle_blockscale_bounded(scale, storage_has_room=True)
+
+
+def measure_alternatives(
+    tensors: dict, repeats: int, threads: int = PREP_CPU_THREADS
+) -> dict[str, float]:
+    """Median seconds of each step's chosen method and the one it replaced,
+    on the layer's w13 + w2 scales, on ``threads`` intra-op threads; results
+    compared first."""
+    scales = [tensors["w13_weight_scale"], tensors["w2_weight_scale"]]
+    factors = [tensors["w13_weight_scale_2"], tensors["w2_weight_scale_2"]]
+
+    def run(make) -> tuple[float, list[torch.Tensor]]:
+        times, out = [], None
+        for _ in range(repeats):
+            calls = make()  # fresh inputs, not timed
+            with preparing_weights("cpu", threads):
+                start = time.perf_counter()
+                out = [call() for call in calls]
+                times.append(time.perf_counter() - start)
+        return statistics.median(times), [o.view(torch.uint8).clone() for o in out]
+
+    words_t, words = run(lambda: [_swizzle_at(s, 0) for s in scales])
+    bytes_t, by_bytes = run(lambda: [_swizzle_at(s, 1) for s in scales])
+
+    def folds(fn):
+        def make():
+            pairs = zip([s.clone() for s in scales], factors, strict=True)
+            return [lambda s=s, f=f: fn(s, f) for s, f in pairs]
+
+        return make
+
+    table_t, table = run(folds(fold_global_scale_into_blockscale_))
+    float_t, by_float = run(folds(float_chunk_fold_))
+    for name, a, b in (("swizzle", words, by_bytes), ("fold", table, by_float)):
+        if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+            raise RuntimeError(f"the two {name} methods give different bytes")
+    return {
+        "swizzle_words_s": words_t,
+        "swizzle_bytes_s": bytes_t,
+        "fold_table_s": table_t,
+        "fold_float_s": float_t,
+    }

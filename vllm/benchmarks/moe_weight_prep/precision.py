@@ -21,14 +21,18 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
-    w13_rows,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    dequantize_nvfp4,
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
     mma_layout_to_linear,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_alpha,
     w4a16_dequantize,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    dequantize_nvfp4,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    w13_rows,
 )
 
 __all__ = [

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     global_scale_to_compressed_tensors,
     global_scale_to_modelopt,
     nvfp4_global_scale,

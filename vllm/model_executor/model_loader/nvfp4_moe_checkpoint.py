@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     global_scale_from_compressed_tensors,
     global_scale_to_modelopt,
 )

@@ -29,13 +29,13 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     get_prep_state,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import PrepStep
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    NVFP4_BLOCK_SIZE,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     load_layout_data,
     load_layout_ok,
     nvfp4_moe_param_specs,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    NVFP4_BLOCK_SIZE,
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import (
     kNvfp4Dynamic,

@@ -14,7 +14,7 @@ W4A4 (``quant_config.quant_dtype == "nvfp4"``):
   GEMM outputs;
 * ``weights_only=False`` (the kernel's arithmetic): each expert's FC1 input
   (BF16) is quantized to NVFP4 as the kernel does it
-  (``nvfp4_utils.quantize_nvfp4_b12x_activation``, fast math) with
+  (``flashinfer_b12x_w4a4_format.quantize_nvfp4_b12x_activation``, fast math) with
   ``fc1_input_scale[e]`` (``w1_alpha[e]`` when there is none), the GEMM runs
   on ``codes * block_scale`` of both operands in float32 and its output is
   multiplied by ``w1_alpha[e] * fc1_input_scale[e]`` (``w1_alpha[e]``
@@ -31,7 +31,7 @@ W4A4 (``quant_config.quant_dtype == "nvfp4"``):
   with the BF16 reference on the dequantized weights.
 
 W4A16 (``quant_config.use_nvfp4_w4a16``), from ``W4A16PackedWeights`` alone
-with the package's own decode (``nvfp4_utils.w4a16_dequantize``): BF16
+with the package's own decode (``flashinfer_w4a16_layout.w4a16_dequantize``): BF16
 activations; weights e2m1 * block scale as the kernel reads it; FC1 in FP32
 times ``alpha1``, rounded to BF16, the activation on the [gate; up] rows,
 rounded to BF16; FC2 in FP32 times ``router_weight * alpha2``; the top-k
@@ -61,15 +61,19 @@ from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEActivationFormat,
     FusedMoEExperts,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
-    w13_rows,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    dequantize_nvfp4,
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
     mma_layout_to_linear,
     quantize_nvfp4_b12x_activation,
+)
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_alpha,
     w4a16_dequantize,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    dequantize_nvfp4,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    w13_rows,
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import QuantKey
 

@@ -49,6 +49,11 @@ from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
+    W4A16_TILE_N,
+    w4a16_global_scale,
+    w4a16_scale_exponent,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
     pack_w4a16_blockscale_,
     repack_w4a16_weight_,
@@ -57,11 +62,6 @@ from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_moe import (
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     w13_rows,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    W4A16_TILE_N,
-    w4a16_global_scale,
-    w4a16_scale_exponent,
 )
 from vllm.utils.platform_utils import num_compute_units
 

@@ -67,11 +67,11 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ALLOCATION_GRANULE,
     allocation_bytes,
 )
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
+    blockscale_mma_layout_view,
+)
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     w13_rows,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
-    blockscale_mma_layout_view,
 )
 from vllm.model_executor.utils import replace_parameter
 

@@ -21,7 +21,9 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     tile_bytes,
     unit_chunks,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import FLOAT8_E4M3_MAX
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
+    FLOAT8_E4M3_MAX,
+)
 
 __all__ = [
     "fold_global_scale_into_blockscale_",

@@ -19,7 +19,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     tile_bytes,
     unit_chunks,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     swizzled_blockscale_shape,
 )
 

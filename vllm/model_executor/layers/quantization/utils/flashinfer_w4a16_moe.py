@@ -5,7 +5,7 @@ bounded memory. (About 560 lines: weights and scales, forward and back, share
 one chunk plan and are best read together.)
 
 The layout is defined once, whole-tensor, in
-:mod:`~vllm.model_executor.layers.quantization.utils.nvfp4_utils`
+:mod:`~vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout`
 (``w4a16_pack_weight``, ``w4a16_pack_blockscale``); the functions here write
 the same bytes into the loaded tensors' own storage::
 
@@ -46,15 +46,15 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     run_chunks,
     tile_bytes,
 )
-from vllm.model_executor.layers.quantization.utils.inplace_tile_permutation import (
-    TileCyclePlan,
-)
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     _W4A16_SCALE_ROWS,
     W4A16_TILE_K,
     W4A16_TILE_N,
     w4a16_blockscale_inverse_table,
     w4a16_blockscale_table,
+)
+from vllm.model_executor.layers.quantization.utils.inplace_tile_permutation import (
+    TileCyclePlan,
 )
 
 __all__ = [

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from tests.kernels.utils import DEVICES
-from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
+    blockscale_mma_layout_view,
+    mma_layout_to_linear,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     E2M1_VALUES,
     FLOAT4_E2M1_MAX,
     FLOAT8_E4M3_MAX,
     NVFP4_BLOCK_SIZE,
-    blockscale_mma_layout_view,
     dequantize_nvfp4,
     e2m1_decode,
     e2m1_encode,
@@ -22,13 +25,14 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
     global_scale_from_modelopt,
     global_scale_to_compressed_tensors,
     global_scale_to_modelopt,
-    mma_layout_to_linear,
     nvfp4_global_scale,
     pack_fp4,
     quantize_nvfp4,
-    swizzle_blockscale,
     unpack_fp4,
     unswizzle_blockscale,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale,
 )
 
 
