@@ -78,12 +78,22 @@ _PYTEST_INI = """\
 
 
 def _imported_modules(tree: ast.Module) -> list[str]:
+    """Every module named by an import; ``from package import module`` gives
+    ``package.module`` where that is a module file here."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append(node.module)
+            package = REPO_ROOT / node.module.replace(".", "/")
+            if package.is_dir():
+                found += [
+                    f"{node.module}.{a.name}"
+                    for a in node.names
+                    if (package / f"{a.name}.py").is_file()
+                ]
+            else:
+                found.append(node.module)
     return found
 
 
