@@ -165,6 +165,7 @@ def reorder_w1w3_to_w3w1(
             devices or overlap, ``dim`` is out of range, the size along ``dim``
             is odd or differs between the tensors, or the cap is not positive.
             Nothing is modified when an error is raised.
+
     """
     check_contiguous("weight", weight)
     check_contiguous("scale", scale)
@@ -266,6 +267,7 @@ def _b12x_activation_scales(
     Raises:
         ValueError: a scale count neither this rank's experts nor the
             expert map's.
+
     """
     a13 = a13_scale.detach().float()
     if a13.dim() == 2:
