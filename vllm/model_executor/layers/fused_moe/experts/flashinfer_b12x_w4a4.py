@@ -404,5 +404,5 @@ def fold_to(
         state.folds.pop(name, None)
     if after is not None:
         state.global_scales.setdefault(name_2, loaded)
-        after = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
-        scale_2.copy_(after.expand_as(loaded).reshape(scale_2.shape))
+        value = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
+        scale_2.copy_(value.expand_as(loaded).reshape(scale_2.shape))

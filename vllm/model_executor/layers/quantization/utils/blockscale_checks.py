@@ -22,7 +22,7 @@ __all__ = [
 
 
 def check_blockscale_tensor(name: str, scale: object) -> torch.Tensor:
-    check_contiguous(name, scale)
+    scale = check_contiguous(name, scale)
     if scale.dtype != torch.float8_e4m3fn or scale.dim() != 3:
         raise ValueError(
             f"{name} must be a float8_e4m3fn [E, R, C] tensor, got "

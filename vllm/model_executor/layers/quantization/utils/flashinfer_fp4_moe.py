@@ -284,7 +284,7 @@ def _b12x_activation_scales(
             held = None
             if expert_map is not None and a.numel() == expert_map.numel():
                 held = (expert_map >= 0).nonzero().flatten()
-            if held is None or held.numel() != num_local_experts:
+            if expert_map is None or held is None or held.numel() != num_local_experts:
                 raise ValueError(
                     f"{name} has {a.numel()} experts' scales; expected "
                     f"{num_local_experts} (this rank's experts) or one per "
