@@ -83,6 +83,7 @@ class MoEWeightPrepState:
             ``weight_prep_guard``): the experts' ``apply`` runs without a
             check; cleared by every status change and every event that can
             change the weights.
+
     """
 
     status: PrepStatus = PrepStatus.LOADING

@@ -116,6 +116,11 @@ def begin_prepared_reload(model: torch.nn.Module, *, direct: bool) -> int:
         if direct:
             if state.status is PrepStatus.LOADING:
                 continue
+            if experts is None:  # check_prepared_reload refuses it
+                raise RuntimeError(
+                    f"{mode} reload: {name or 'model'}: its preparation record "
+                    "has no experts to restore it"
+                )
             experts.restore_load_layout(layer)
             if state.status is not PrepStatus.LOADING or state.torn:
                 raise RuntimeError(

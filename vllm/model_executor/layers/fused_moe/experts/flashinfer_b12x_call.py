@@ -6,11 +6,11 @@ FlashInfer 0.7.4 (``requirements/cuda.txt``) is what this was written and
 tested against, its host-side code on CPU included. W4A4 goes through
 ``flashinfer.B12xMoEWrapper``, one per layer, built on first use::
 
-    B12xMoEWrapper(E, top_k, H, I, quant_mode="nvfp4", activation=...,
-                   use_cuda_graph=True, max_num_tokens=...)
-    wrapper.run(x, w13, w1_sf_mma, w2, w2_sf_mma, ids, weights,
-                w1_alpha=..., w2_alpha=..., fc2_input_scale=ones[E],
-                input_global_scale=ones[E])
+    wrapper = B12xMoEWrapper(E, top_k, H, I, quant_mode="nvfp4", **options)
+    # options: activation=..., use_cuda_graph=True, max_num_tokens=...
+    wrapper.run(x, w13, w1_sf_mma, w2, w2_sf_mma, ids, weights, **scales)
+    # scales: w1_alpha=..., w2_alpha=..., fc2_input_scale=ones[E],
+    #         input_global_scale=ones[E]
 
 Why the wrapper and not the functional ``b12x_fused_moe``: given
 ``input_global_scale`` without prepared weight views, the functional call

@@ -57,6 +57,12 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
 from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
     FlashInferB12xExperts,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a4 import (
+    B12xW4A4Tensors,
+)
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
+    W4A16PackedWeights,
+)
 from vllm.model_executor.layers.fused_moe.modular_kernel import (
     FusedMoEActivationFormat,
     FusedMoEExperts,
@@ -208,6 +214,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
 
     def _emulate_w4a4(self, hidden_states, w1, w2, routes):
         t = self.prepared
+        assert isinstance(t, B12xW4A4Tensors)  # apply checked it is bound
         moe = self.moe_config
         n_tok, h = hidden_states.shape
         inter, rows = moe.intermediate_size_per_partition, w13_rows(moe)
@@ -243,6 +250,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
 
     def _emulate_w4a16(self, hidden_states, routes):
         pw = self.prepared
+        assert isinstance(pw, W4A16PackedWeights)  # apply checked it is bound
         moe = self.moe_config
         n_tok, h = hidden_states.shape
         out = torch.zeros((n_tok, h), dtype=torch.float32, device=hidden_states.device)

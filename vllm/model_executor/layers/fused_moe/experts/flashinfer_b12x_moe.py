@@ -75,7 +75,9 @@ def _refill(old: Any, new: Any, layer: torch.nn.Module) -> Any:
     derived from the weights), with each derived tensor copied into
     ``old``'s tensor of the same field, shape, dtype and device; views of a
     parameter are at their address already."""
-    if type(old) is not type(new) or not dataclasses.is_dataclass(new):
+    if not dataclasses.is_dataclass(new) or isinstance(new, type):
+        return new  # not a binding (a dataclass instance)
+    if type(old) is not type(new):
         return new
     params = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
     kept = {}
@@ -358,11 +360,14 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         if previous is None:
             previous = self.prepared
         self._flashinfer_packed = None
+        weights = self.weights
         if self.weight_only:
-            self.prepared = _refill(previous, self.weights.bind(layer), layer)
+            assert isinstance(weights, B12xW4A16Weights)  # as __init__ made it
+            self.prepared = _refill(previous, weights.bind(layer), layer)
         else:
+            assert isinstance(weights, B12xW4A4Weights)  # as __init__ made it
             alpha = self.effective_global_scale_mode == "alpha"
-            tensors = self.weights.bind(layer, alpha, self.quant_config)
+            tensors = weights.bind(layer, alpha, self.quant_config)
             tensors = _refill(previous, tensors, layer)
             self.prepared = tensors
             self.w1_sf_mma, self.w2_sf_mma = tensors.w1_sf_mma, tensors.w2_sf_mma
@@ -451,6 +456,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         ``weight_prep_guard``)."""
         if self._guard is None:
             self._check_prepared()
+            assert self._guard is not None  # it binds the layer or raises
         return self._guard[0]
 
     # -- compute --------------------------------------------------------------
@@ -489,6 +495,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
 
     def _run_w4a4(self, hidden_states, w1, w2, topk_weights, topk_ids):
         t = self.prepared
+        assert isinstance(t, B12xW4A4Tensors)  # apply checked it is bound
         if self._wrapper is None:
             self._wrapper = make_b12x_wrapper(self.moe_config, hidden_states.device)
         extra = {}
@@ -518,14 +525,16 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             raise RuntimeError(f"W4A16 b12x kernel: {call.reason}")
         from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch
 
+        pw = self.prepared
+        assert isinstance(pw, W4A16PackedWeights)  # apply checked it is bound
         if self._flashinfer_packed is None:
             self._flashinfer_packed = flashinfer_packed_weights(
-                self.prepared, hidden_states.device
+                pw, hidden_states.device
             )
         moe_dispatch.launch_sm120_moe(
             **w4a16_launch_kwargs(
                 self.moe_config,
-                self.prepared,
+                pw,
                 self._flashinfer_packed,
                 hidden_states,
                 w1,

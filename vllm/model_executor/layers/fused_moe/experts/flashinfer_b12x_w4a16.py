@@ -81,6 +81,7 @@ class W4A16PackedWeights:
         w2: int32 [E, I/16, (H/64) * 128].
         w2_scale: float8_e4m3fn-typed bytes [E, I/16, H].
         w2_global_scale: float32 [E].
+
     """
 
     w13: torch.Tensor

@@ -97,6 +97,7 @@ class B12xW4A4Tensors:
             (``w1_alpha`` = 1 plays both roles).
         fc2_input_scale: the FC2 input's per-expert scale, the same direction
             (``1 / a2_gscale`` in "alpha" mode; all 1 in "fold" mode).
+
     """
 
     w1_sf_mma: torch.Tensor
@@ -315,6 +316,7 @@ class B12xW4A4Weights:
         Raises:
             ValueError: an activation global scale that is not finite and
                 positive, or has neither one nor E entries.
+
         """
         e = self.moe_config.num_local_experts
         device = layer.w13_weight.device
@@ -402,5 +404,5 @@ def fold_to(
         state.folds.pop(name, None)
     if after is not None:
         state.global_scales.setdefault(name_2, loaded)
-        after = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
-        scale_2.copy_(after.expand_as(loaded).reshape(scale_2.shape))
+        value = torch.as_tensor(after, dtype=torch.float32, device=loaded.device)
+        scale_2.copy_(value.expand_as(loaded).reshape(scale_2.shape))

@@ -22,13 +22,13 @@ __all__ = [
 
 
 def check_blockscale_tensor(name: str, scale: object) -> torch.Tensor:
-    check_contiguous(name, scale)
-    if scale.dtype != torch.float8_e4m3fn or scale.dim() != 3:
+    t = check_contiguous(name, scale)
+    if t.dtype != torch.float8_e4m3fn or t.dim() != 3:
         raise ValueError(
             f"{name} must be a float8_e4m3fn [E, R, C] tensor, got "
-            f"{scale.dtype} of shape {tuple(scale.shape)}"
+            f"{t.dtype} of shape {tuple(t.shape)}"
         )
-    return scale
+    return t
 
 
 def check_blockscale_values(

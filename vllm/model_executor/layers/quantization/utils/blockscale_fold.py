@@ -99,6 +99,7 @@ def fold_global_scale_into_blockscale_(
     once the whole tensor is folded). Each chunk is written by one operation
     (a 256-entry table lookup per segment): an exception leaves it folded or
     untouched.
+
     """
     check_blockscale_tensor("scale", scale)
     cap = check_cap(max_transient_bytes)

@@ -82,7 +82,7 @@ def check_cap(max_transient_bytes: object) -> int:
     return max_transient_bytes
 
 
-def unit_chunks(units: int, unit_len: int, per: int) -> list[tuple[int, ...]]:
+def unit_chunks(units: int, unit_len: int, per: int) -> list[tuple[int, int, int, int]]:
     """Chunks ``(first unit, n units, start, length)`` covering ``units``
     units of ``unit_len`` items with at most ``per`` items each: several
     whole units per chunk when one fits (``start == 0``, ``length ==

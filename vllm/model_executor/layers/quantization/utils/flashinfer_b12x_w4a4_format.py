@@ -86,6 +86,7 @@ def quantize_nvfp4_b12x_activation(
         TypeError: ``x`` of another dtype.
         ValueError: K not a multiple of 16; ``input_scale`` not finite and
             positive, or of a shape that does not broadcast per leading index.
+
     """
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")

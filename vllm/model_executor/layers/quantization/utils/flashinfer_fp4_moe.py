@@ -165,6 +165,7 @@ def reorder_w1w3_to_w3w1(
             devices or overlap, ``dim`` is out of range, the size along ``dim``
             is odd or differs between the tensors, or the cap is not positive.
             Nothing is modified when an error is raised.
+
     """
     check_contiguous("weight", weight)
     check_contiguous("scale", scale)
@@ -266,6 +267,7 @@ def _b12x_activation_scales(
     Raises:
         ValueError: a scale count neither this rank's experts nor the
             expert map's.
+
     """
     a13 = a13_scale.detach().float()
     if a13.dim() == 2:
@@ -282,7 +284,7 @@ def _b12x_activation_scales(
             held = None
             if expert_map is not None and a.numel() == expert_map.numel():
                 held = (expert_map >= 0).nonzero().flatten()
-            if held is None or held.numel() != num_local_experts:
+            if expert_map is None or held is None or held.numel() != num_local_experts:
                 raise ValueError(
                     f"{name} has {a.numel()} experts' scales; expected "
                     f"{num_local_experts} (this rank's experts) or one per "

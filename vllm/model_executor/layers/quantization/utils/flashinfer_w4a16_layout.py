@@ -128,7 +128,7 @@ def w4a16_unpack_weight(packed: torch.Tensor, rotate: int = 0) -> torch.Tensor:
 
 
 def w4a16_scale_exponent(scale: torch.Tensor) -> int:
-    """x of the power-of-two factor 2^x FlashInfer applies to one weight's
+    """X of the power-of-two factor 2^x FlashInfer applies to one weight's
     block scales (all experts): the largest x with max * 2^x <= 448, or 0
     when the largest scale is 0 or 448. Read on the raw bytes (E4M3 order is
     byte order for non-negative scales), as FlashInfer does."""

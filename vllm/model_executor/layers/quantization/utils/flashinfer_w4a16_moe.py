@@ -35,6 +35,7 @@ path B backwards, using the reference per strip.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -308,7 +309,7 @@ def _add_cycles(
     for g in range(e):
         for c in range(cycles.num_chunks):
             plan.chunks.append(
-                lambda g=g, c=c: cycles.apply_chunk(tiles, g, c, buf, isrc, idst)
+                functools.partial(cycles.apply_chunk, tiles, g, c, buf, isrc, idst)
             )
 
 
@@ -372,7 +373,7 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
         g = min(e, budget // per_expert)
         work = _Planes(rows, g * nt, kt)
         out = words.view(e, kt, nt, 8, 4, 2)
-        strips = words.view(e, nt, 64, kt)
+        expert_strips = words.view(e, nt, 64, kt)
         rs = rotate // 64
         rolled = (torch.arange(nt, device=dev) * 64 + rotate) % n
 
@@ -380,7 +381,7 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
             dst = out[e0 : e0 + ge]
             if not inverse:
                 # output strip j of each expert is strip (j + rs) % nt
-                src = strips[e0 : e0 + ge]
+                src = expert_strips[e0 : e0 + ge]
                 if rs:
                     pieces = [q for x in range(ge) for q in (src[x, rs:], src[x, :rs])]
                 else:
@@ -392,7 +393,7 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
             return work.drain(bases, lambda p: _expert_view(p, ge, nt, kt).copy_(dst))
 
         for e0 in range(0, e, g):
-            plan.chunks.append(lambda e0=e0: experts(e0, min(g, e - e0)))
+            plan.chunks.append(functools.partial(experts, e0, min(g, e - e0)))
         return plan
     # B: strips in place (tiles in strip order) and the tile transposition
     _check_budget("weight", n, k, budget, scale=False)
@@ -414,7 +415,7 @@ def _weight_plan(weight: torch.Tensor, rotate: int, cap: int, inverse: bool) -> 
     if inverse:
         _add_cycles(plan, weight, e, nt, kt, rotate // 64, _WEIGHT_TILE, room, True)
     for s0 in range(0, e * nt, g):
-        plan.chunks.append(lambda s0=s0: strips(s0, min(g, e * nt - s0)))
+        plan.chunks.append(functools.partial(strips, s0, min(g, e * nt - s0)))
     if not inverse:
         _add_cycles(plan, weight, e, nt, kt, rotate // 64, _WEIGHT_TILE, room, False)
     return plan
@@ -531,7 +532,7 @@ def _scale_plan(
         room = budget - units * _scale_unit_bytes(span, c)
         _add_cycles(plan, scale, e, nt, c, rotate // 64, _SCALE_TILE, room, True)
     for u0 in range(0, count, units):
-        plan.chunks.append(lambda u0=u0: chunk(u0, min(units, count - u0)))
+        plan.chunks.append(functools.partial(chunk, u0, min(units, count - u0)))
     if not inverse and not whole:
         room = budget - units * _scale_unit_bytes(span, c)
         _add_cycles(plan, scale, e, nt, c, rotate // 64, _SCALE_TILE, room, False)

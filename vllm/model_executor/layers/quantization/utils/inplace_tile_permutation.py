@@ -46,6 +46,7 @@ class TileCyclePlan:
             ``src[j]`` (M = n minus the fixed points, plus one per cut).
         bounds: chunk c covers ``src[bounds[c]:bounds[c+1]]``.
         largest: tiles in the largest chunk.
+
     """
 
     def __init__(
