@@ -1,32 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Upstream's test tree in a temporary directory, holding one of this
-branch's kernel tests and the helper modules it takes from this repository's
-tests/, at their upstream paths; a pytest run of it in a subprocess of this
-interpreter, as upstream's CI runs a kernel test (``cd tests && pytest
-kernels/moe/<file>``); and the vllm names those files import.
+"""What one of this branch's kernel tests takes from this repository's
+tests/ (the ``tests.*`` modules it imports, new files upstream: not
+upstream's own helper modules, which the source tree holds), the vllm names
+those files import, and a pytest run in a subprocess of this interpreter
+(upstream's reload tests run so: upstream_reload_tests.py).
 
-The tree (``lay_out``)::
-
-    <root>/pytest.ini                   stand-in for upstream's pytest
-                                        settings (pyproject.toml): empty, it
-                                        pins the rootdir; no custom marker is
-                                        used
-    <root>/tests/__init__.py            \\
-    <root>/tests/kernels/__init__.py     > empty, as upstream's
-    <root>/tests/kernels/moe/__init__.py/
-    <root>/tests/kernels/utils.py       stand-ins for upstream's own helper
-    <root>/tests/kernels/moe/utils.py   modules: importing one raises
-                                        ImportError (the test must need
-                                        neither: this tree's files of those
-                                        names are not upstream's)
-    <root>/tests/kernels/moe/test_*.py  the branch's test and, at their
-    <root>/tests/kernels/moe/*.py       paths, the tests.* modules it imports
-                                        (copied; new files upstream)
-
-Upstream's conftest.py files (tests/conftest.py's fixtures,
-``workspace_init`` among them) are not laid out: a test needing one of them
-errors in the run.
+The reworked kernel test itself runs from vLLM's source tree, as upstream's
+CI runs it (``cd tests && pytest kernels/moe/<file>``, README "vLLM from
+source"), with upstream's real helper modules.
 
 Nothing here imports vllm at module level: the child does, and
 :func:`resolve_installed` where a test calls it.
@@ -49,10 +31,9 @@ from pytest_outcomes import OUTCOMES_ENV
 from upstream_env import REPO_ROOT, UPSTREAM_VERSION
 
 __all__ = [
-    "STAND_INS",
+    "UPSTREAMS_OWN",
     "ChildRun",
     "VllmName",
-    "lay_out",
     "modules_of_test",
     "name_origin",
     "resolve_installed",
@@ -60,21 +41,10 @@ __all__ = [
     "vllm_names",
 ]
 
-#: Upstream's own files at paths this repository also has: stand-ins that
-#: refuse to be imported.
-STAND_INS = ("tests/kernels/utils.py", "tests/kernels/moe/utils.py")
+#: Upstream's own helper modules, at paths this repository also has: a test
+#: imports upstream's (the source tree's), not followed here.
+UPSTREAMS_OWN = ("tests/kernels/utils.py", "tests/kernels/moe/utils.py")
 _HERE = Path(__file__).resolve().parent
-_PACKAGES = ("tests", "tests/kernels", "tests/kernels/moe")
-_STAND_IN = '''\
-"""Stand-in for upstream's own {path} (not this repository's file of that
-name): the test under run must not import it."""
-
-raise ImportError("{path} is upstream's own helper module: a stand-in here")
-'''
-_PYTEST_INI = """\
-# Stand-in for upstream's pytest settings (pyproject.toml): pins the rootdir.
-[pytest]
-"""
 
 
 def _imported_modules(tree: ast.Module) -> list[str]:
@@ -100,9 +70,10 @@ def _imported_modules(tree: ast.Module) -> list[str]:
 def modules_of_test(test_relpath: str) -> list[str]:
     """The test file and every ``tests.*`` module it imports, directly or
     through those modules, as paths relative to the repository root (the
-    test first, then sorted). ValueError for a ``tests.*`` module that is
-    not a file here, or a relative import (upstream's tests use absolute
-    ones)."""
+    test first, then sorted), upstream's own helper modules
+    (:data:`UPSTREAMS_OWN`) left out. ValueError for a ``tests.*`` module
+    that is not a file here, or a relative import (upstream's tests use
+    absolute ones)."""
     seen: dict[str, None] = {}
     todo = [test_relpath]
     while todo:
@@ -117,30 +88,13 @@ def modules_of_test(test_relpath: str) -> list[str]:
             if module.split(".")[0] != "tests":
                 continue
             dep = module.replace(".", "/") + ".py"
+            if dep in UPSTREAMS_OWN:
+                continue
             if not (REPO_ROOT / dep).is_file():
                 raise ValueError(f"{rel} imports {module}, not a module file here")
             todo.append(dep)
     first, *rest = seen
     return [first, *sorted(rest)]
-
-
-def lay_out(root: Path, modules: list[str]) -> None:
-    """Write the tree of the module docstring under ``root`` with
-    ``modules`` (repository-relative paths, from :func:`modules_of_test`)
-    copied to the same paths. ValueError if one of them is a stand-in's
-    path."""
-    if clash := sorted(set(modules) & set(STAND_INS)):
-        raise ValueError(f"{', '.join(clash)}: upstream's own files, not the test's")
-    (root / "pytest.ini").write_text(_PYTEST_INI)
-    for package in _PACKAGES:
-        (root / package).mkdir(parents=True, exist_ok=True)
-        (root / package / "__init__.py").write_text("")
-    for path in STAND_INS:
-        (root / path).write_text(_STAND_IN.format(path=path))
-    for rel in modules:
-        target = root / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text((REPO_ROOT / rel).read_text())
 
 
 @dataclass
