@@ -4,11 +4,8 @@
 
     python tools/follow_pypi.py [--json FILE] [--wheel PATH]
 
-Every release the manifest supports must still be PyPI's bytes (the wheel
-and sdist sha256 in PyPI's JSON API): otherwise exit 1. The newest release,
-if the manifest lacks it, is downloaded (its wheel, or --wheel) and each
-definition the branch replaces, edits or relies on is compared with the
-newest supported release's: drifted or not. A newer release never fails it.
+Exit 1 if a supported release is no longer PyPI's bytes; a newer release is
+reported (its drifted definitions), never a failure.
 """
 
 from __future__ import annotations

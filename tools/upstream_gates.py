@@ -4,14 +4,9 @@
 
     python tools/upstream_gates.py [--release V]    # in .venv-gates
 
-In build/source/vllm-<V> (tools/build_source_branch.py), on the files the
-series adds or changes, from the tree, as vLLM's .pre-commit-config.yaml
-hooks run them: ruff check and format, typos, mypy (tools/pre_commit/mypy.py
-3.11) and the check_* scripts of HOOKS; a hook's finding that it also prints
-at v<V> (same file and text, any line) is upstream's and does not fail it.
-Then a Signed-off-by of its author on every commit, and the Buildkite step
-kernels-moe-test's source_file_dependencies covering every changed file.
-Prints each gate and its new findings; exit 1 if one fails, 2 on an error.
+HOOKS on the files the series adds or changes (a finding also printed at
+v<V>, any line, is upstream's), a Signed-off-by on every commit, and STEP's
+source_file_dependencies covering every changed file. Exit 1 if one fails.
 """
 
 from __future__ import annotations
