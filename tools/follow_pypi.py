@@ -64,11 +64,10 @@ def drift_report(manifest: Manifest, wheel: Path) -> list[tuple[str, str, str]]:
                 continue
             for name, want in hashes.items():
                 try:
-                    state = (
-                        "unchanged" if source_hash(module, name) == want else "drifted"
-                    )
+                    same = source_hash(module, name) == want
                 except ToolError:
-                    state = "gone"
+                    same = None
+                state = {True: "unchanged", False: "drifted", None: "gone"}[same]
                 out.append((path, name, state))
     return out
 

@@ -177,21 +177,11 @@ class _Swap(cst.CSTTransformer):
         return self.swaps.get(id(old), new)
 
 
-def _type_checking(module: cst.Module) -> cst.If | None:
-    tc = (s for s in module.body if isinstance(s, cst.If))
-    return next((s for s in tc if code(s.test) == "TYPE_CHECKING"), None)
-
-
 def _imports(module: cst.Module, type_checking: bool = True) -> list:
     """Module-level import lines (with those under ``if TYPE_CHECKING:``)."""
-    tc = _type_checking(module)
-    lines = [*module.body, *(tc.body.body if tc and type_checking else ())]
-    return [
-        s
-        for s in lines
-        if isinstance(s, cst.SimpleStatementLine)
-        and isinstance(s.body[0], (cst.Import, cst.ImportFrom))
-    ]
+    tc = [s for s in module.body if isinstance(s, cst.If)]
+    tc = [s.body.body for s in tc if type_checking and code(s.test) == "TYPE_CHECKING"]
+    return [s for s in [*module.body, *(tc[0] if tc else ())] if _is_import(s)]
 
 
 def _alias_names(alias: cst.ImportAlias) -> tuple[str, str]:

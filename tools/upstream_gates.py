@@ -29,25 +29,18 @@ STEP = (".buildkite/test_areas/kernels.yaml", "kernels-moe-test")
 # hook: its command; PY (the Python files) or ALL or TESTS (tests/ and
 # .buildkite/ files, as check_test_tethering's `files` pattern) appended.
 PY, ALL, TESTS = "py", "all", "tests"
+_CHECKS = "spdx_header forbidden_imports torch_cuda init_lazy_imports test_tethering"
 HOOKS = {
     "ruff check": (["ruff", "check", "--output-format", "concise"], PY),
     "ruff format": (["ruff", "format", "--check"], PY),
     "typos": (["typos", "--force-exclude", "--format", "brief"], ALL),
     "mypy": ([sys.executable, "tools/pre_commit/mypy.py", "3.11"], PY),
     **{
-        name: ([sys.executable, f"tools/pre_commit/{name}.py"], PY)
-        for name in (
-            "check_spdx_header",
-            "check_forbidden_imports",
-            "check_torch_cuda",
-            "check_init_lazy_imports",
-        )
+        f"check_{n}": ([sys.executable, f"tools/pre_commit/check_{n}.py"], PY)
+        for n in _CHECKS.split()
     },
-    "check_test_tethering": (
-        [sys.executable, "tools/pre_commit/check_test_tethering.py"],
-        TESTS,
-    ),
 }
+HOOKS["check_test_tethering"] = (HOOKS["check_test_tethering"][0], TESTS)
 
 
 def _findings(tree: Path, rev: str, changed: list[str]) -> dict[str, list[str]]:
