@@ -19,6 +19,7 @@ import tokenize
 from collections.abc import Sequence
 
 import libcst as cst
+import libcst.matchers as m
 
 from fork_manifest import Edit
 from tool_cli import ToolError
@@ -116,16 +117,12 @@ def match(
         want = _shape(text, statement)
     except (cst.ParserSyntaxError, SyntaxError):
         raise ToolError(f"{who}: {text!r} does not parse") from None
-    hits: list[cst.CSTNode] = []
 
-    class _Visit(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            part = n.test if of_if and isinstance(n, cst.If) else None if of_if else n
-            if type(part) is kind and _shape(code(part), statement) == want:
-                hits.append(n)
-            return True
+    def hit(n: cst.CSTNode) -> bool:
+        part = n.test if of_if and isinstance(n, cst.If) else None if of_if else n
+        return type(part) is kind and _shape(code(part), statement) == want
 
-    node.visit(_Visit())
+    hits = m.findall(node, m.MatchIfTrue(hit))
     if len(hits) != 1:
         raise ToolError(f"{who}: {text!r} matches {len(hits)} places, not 1")
     return hits[0]
