@@ -4,10 +4,12 @@
 
     python tools/compare_upstream_tests.py [--release V] [--quick]  # .venv-source
 
-A regression: passed at the tag and anything else on the branch; ran at the
-tag and skipped on it; new and failing; a failing own test of an earlier
-commit. Prints every id whose outcome changed; exit 1 on a regression, 2 on
-an error.
+SELECTION (--quick: QUICK) and the series' own test files, run from tests/ of
+build/source/vllm-<V> at v<V> and at nvfp4moe (junit XML in
+build/source/compare/<V>/). A regression: passed at the tag and anything else
+on the branch; ran at the tag and skipped on it; new and failing; a failing
+own test of an earlier commit. Prints every id whose outcome changed; exit 1
+on a regression, 2 on an error.
 """
 
 from __future__ import annotations
