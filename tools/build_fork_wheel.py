@@ -4,13 +4,8 @@
 
     python tools/build_fork_wheel.py [--release V] [--wheel PATH] [--out dist]
 
-Per release: its wheel (--wheel, or pip) checked against its sha256, unpacked
-with ``wheel``, the branch applied (tools/fork_branch.py), version
-``<V>+<local_label>`` and METADATA's requirements rewritten (``packaging``),
-packed again with the release's tags: dist/vllm-<V>+nvfp4moe-<tags>.whl. The
-untouched release and the fork stay unpacked in build/fork/<V>/upstream and
-build/fork/<V>/fork; all is built under build/fork/<V>/.partial and moved
-into place last.
+Writes dist/vllm-<V>+<local_label>-<tags>.whl and keeps build/fork/<V>/upstream
+and build/fork/<V>/fork; built in build/fork/<V>/.partial, moved into place last.
 """
 
 from __future__ import annotations

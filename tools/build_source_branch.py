@@ -4,16 +4,10 @@
 
     python tools/build_source_branch.py [--release V] [--local DIR] [--fresh]
 
-Per release of tools/fork_manifest.toml: its sdist and wheel (pip download,
-or --local), sha256 checked, kept in build/source/; the sdist unpacked to
-build/source/vllm-<V>/ as git, first commit = its files (git add -f -A),
-tag v<V>; one commit per [[prs]] entry (tools/fork_branch.py: the release
-with that PR and the ones before it; each changed .py file compiled) on a
-scratch branch that nvfp4moe moves to once complete; git format-patch to
-dist/vllm-<V>-nvfp4moe-patches/, checked by git am onto the tag. Then,
-unless --no-install, the first tree is installed editable into this venv
-with its wheel's compiled parts and the trees' requirements. A tree holding
-anything the command did not make is refused (--fresh deletes it first).
+Per release: build/source/vllm-<V>/ (tag v<V>, branch nvfp4moe: one commit per
+PR), dist/vllm-<V>-nvfp4moe-patches/ (checked by git am), then unless
+--no-install the first tree installed editable. A tree holding anything the
+command did not make is refused (--fresh deletes it first).
 """
 
 from __future__ import annotations
@@ -240,16 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         manifest = load_manifest()
         versions = args.release or list(manifest.releases)
         check_disk(build, versions, not args.no_install)
+        kw = dict(manifest=manifest, build=build, dist=ROOT / "dist", local=args.local)
         built = []
         for v in versions:
             tree, wheel, patches = build_release(
-                v,
-                manifest=manifest,
-                build=build,
-                dist=ROOT / "dist",
-                local=args.local,
-                fresh=args.fresh,
-                author=args.author,
+                v, fresh=args.fresh, author=args.author, **kw
             )
             print(f"vllm {v}: {tree} (branch {BRANCH}), {patches}", flush=True)
             built.append((tree, wheel, v))

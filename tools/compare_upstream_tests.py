@@ -4,16 +4,12 @@
 
     python tools/compare_upstream_tests.py [--release V] [--quick]  # .venv-source
 
-In build/source/vllm-<V> (tools/build_source_branch.py; the editable install
-switched to it), from tests/ as upstream's CI runs them, on vLLM's CPU
-platform: SELECTION (--quick: QUICK) and every test file the series adds or
-changes, at v<V> and at nvfp4moe (checked out in place), and each earlier
-commit's own test files there; junit XML each under build/source/compare/<V>/.
-Per test id, the call's outcome (a teardown error after it, from upstream's
-CUDA-only cleanup, is not its). A regression: passed at the tag and anything
-else on the branch; ran at the tag and skipped on it; new and failing (new
-and skipped is only listed); a failing own test of an earlier commit. Prints
-every id whose outcome changed; exit 1 on a regression, 2 on an error.
+SELECTION (--quick: QUICK) and the series' own test files, run from tests/ of
+build/source/vllm-<V> at v<V> and at nvfp4moe (junit XML in
+build/source/compare/<V>/). A regression: passed at the tag and anything else
+on the branch; ran at the tag and skipped on it; new and failing; a failing
+own test of an earlier commit. Prints every id whose outcome changed; exit 1
+on a regression, 2 on an error.
 """
 
 from __future__ import annotations

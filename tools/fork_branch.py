@@ -6,12 +6,8 @@
     python tools/fork_branch.py hashes TREE VERSION  # the manifest's sha256 lines
     python tools/fork_branch.py diff [TREE] [--release V]  # the PR pages' table
 
-Edits are keyed by names and structure and made with libcst; the rest of each
-upstream file stays byte for byte. Before anything is written, the sha256 of
-upstream's own source (whitespace runs collapsed) of every definition the
-branch replaces, edits or relies on is recomputed and compared. ``diff``
-counts, per release (build/fork/<V>/upstream, or TREE) and definition the
-branch changes, upstream's lines kept, added and removed (difflib).
+Every drift sha256 is checked before anything is written; the rest of each
+upstream file stays byte for byte.
 """
 
 from __future__ import annotations
@@ -19,6 +15,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import symtable
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -97,22 +94,14 @@ def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package)
 
 def top_names(text: str) -> set[str]:
     """Names a module binds at its top level ({"*"}: it has __getattr__)."""
-    names, todo = set(), list(ast.parse(text).body)
-    while todo:
-        s = todo.pop()
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(s.name)
-        elif isinstance(s, (ast.Import, ast.ImportFrom)):
-            names |= {(a.asname or a.name).split(".")[0] for a in s.names}
-        elif isinstance(s, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = getattr(s, "targets", [getattr(s, "target", None)])
-            names |= {
-                n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)
-            }
-        elif isinstance(s, (ast.If, ast.Try)):
-            todo += s.body + s.orelse + getattr(s, "finalbody", [])
-            todo += [x for h in getattr(s, "handlers", []) for x in h.body]
-    return {"*"} if "__getattr__" in names else names
+    table = symtable.symtable(text, "<module>", "exec").get_symbols()
+    names = {s.get_name() for s in table if s.is_assigned() or s.is_imported()}
+    names |= {s.get_name() for s in table if s.is_namespace()}
+    star = any(
+        isinstance(n, ast.ImportFrom) and n.names[0].name == "*"
+        for n in ast.walk(ast.parse(text))
+    )  # `import *` is only allowed at module level
+    return {"*"} if star or "__getattr__" in names else names
 
 
 def _missing_import(path: str, text: str, files: dict, tree: Path, package: str):

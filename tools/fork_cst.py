@@ -19,6 +19,7 @@ import tokenize
 from collections.abc import Sequence
 
 import libcst as cst
+import libcst.matchers as m
 
 from fork_manifest import Edit
 from tool_cli import ToolError
@@ -116,16 +117,12 @@ def match(
         want = _shape(text, statement)
     except (cst.ParserSyntaxError, SyntaxError):
         raise ToolError(f"{who}: {text!r} does not parse") from None
-    hits: list[cst.CSTNode] = []
 
-    class _Visit(cst.CSTVisitor):
-        def on_visit(self, n: cst.CSTNode) -> bool:
-            part = n.test if of_if and isinstance(n, cst.If) else None if of_if else n
-            if type(part) is kind and _shape(code(part), statement) == want:
-                hits.append(n)
-            return True
+    def hit(n: cst.CSTNode) -> bool:
+        part = n.test if of_if and isinstance(n, cst.If) else None if of_if else n
+        return type(part) is kind and _shape(code(part), statement) == want
 
-    node.visit(_Visit())
+    hits = m.findall(node, m.MatchIfTrue(hit))
     if len(hits) != 1:
         raise ToolError(f"{who}: {text!r} matches {len(hits)} places, not 1")
     return hits[0]
@@ -177,21 +174,11 @@ class _Swap(cst.CSTTransformer):
         return self.swaps.get(id(old), new)
 
 
-def _type_checking(module: cst.Module) -> cst.If | None:
-    tc = (s for s in module.body if isinstance(s, cst.If))
-    return next((s for s in tc if code(s.test) == "TYPE_CHECKING"), None)
-
-
 def _imports(module: cst.Module, type_checking: bool = True) -> list:
     """Module-level import lines (with those under ``if TYPE_CHECKING:``)."""
-    tc = _type_checking(module)
-    lines = [*module.body, *(tc.body.body if tc and type_checking else ())]
-    return [
-        s
-        for s in lines
-        if isinstance(s, cst.SimpleStatementLine)
-        and isinstance(s.body[0], (cst.Import, cst.ImportFrom))
-    ]
+    tc = [s for s in module.body if isinstance(s, cst.If)]
+    tc = [s.body.body for s in tc if type_checking and code(s.test) == "TYPE_CHECKING"]
+    return [s for s in [*module.body, *(tc[0] if tc else ())] if _is_import(s)]
 
 
 def _alias_names(alias: cst.ImportAlias) -> tuple[str, str]:

@@ -205,11 +205,8 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
             edits.append(Edit(kind, e["in"], e[kind], *args))
         lists = {k: tuple(f.get(k, ())) for k in _FILE_KEYS - {"src", "new"}}
         lists |= {"edits": tuple(edits), "sha256": f.get("sha256", {})}
-        files.append(
-            FileEntry(
-                f["path"], f["pr"], f.get("src", f["path"]), bool(f.get("new")), **lists
-            )
-        )
+        src, new = f.get("src", f["path"]), bool(f.get("new"))
+        files.append(FileEntry(f["path"], f["pr"], src, new, **lists))
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed
     if (bk := top.get("buildkite")) is not None:
         _table(bk, "buildkite", {"pr", "file", "step"})

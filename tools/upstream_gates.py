@@ -4,14 +4,9 @@
 
     python tools/upstream_gates.py [--release V]    # in .venv-gates
 
-In build/source/vllm-<V> (tools/build_source_branch.py), on the files the
-series adds or changes, from the tree, as vLLM's .pre-commit-config.yaml
-hooks run them: ruff check and format, typos, mypy (tools/pre_commit/mypy.py
-3.11) and the check_* scripts of HOOKS; a hook's finding that it also prints
-at v<V> (same file and text, any line) is upstream's and does not fail it.
-Then a Signed-off-by of its author on every commit, and the Buildkite step
-kernels-moe-test's source_file_dependencies covering every changed file.
-Prints each gate and its new findings; exit 1 if one fails, 2 on an error.
+HOOKS on the files the series adds or changes (a finding also printed at
+v<V>, any line, is upstream's), a Signed-off-by on every commit, and STEP's
+source_file_dependencies covering every changed file. Exit 1 if one fails.
 """
 
 from __future__ import annotations
@@ -34,25 +29,18 @@ STEP = (".buildkite/test_areas/kernels.yaml", "kernels-moe-test")
 # hook: its command; PY (the Python files) or ALL or TESTS (tests/ and
 # .buildkite/ files, as check_test_tethering's `files` pattern) appended.
 PY, ALL, TESTS = "py", "all", "tests"
+_CHECKS = "spdx_header forbidden_imports torch_cuda init_lazy_imports test_tethering"
 HOOKS = {
     "ruff check": (["ruff", "check", "--output-format", "concise"], PY),
     "ruff format": (["ruff", "format", "--check"], PY),
     "typos": (["typos", "--force-exclude", "--format", "brief"], ALL),
     "mypy": ([sys.executable, "tools/pre_commit/mypy.py", "3.11"], PY),
     **{
-        name: ([sys.executable, f"tools/pre_commit/{name}.py"], PY)
-        for name in (
-            "check_spdx_header",
-            "check_forbidden_imports",
-            "check_torch_cuda",
-            "check_init_lazy_imports",
-        )
+        f"check_{n}": ([sys.executable, f"tools/pre_commit/check_{n}.py"], PY)
+        for n in _CHECKS.split()
     },
-    "check_test_tethering": (
-        [sys.executable, "tools/pre_commit/check_test_tethering.py"],
-        TESTS,
-    ),
 }
+HOOKS["check_test_tethering"] = (HOOKS["check_test_tethering"][0], TESTS)
 
 
 def _findings(tree: Path, rev: str, changed: list[str]) -> dict[str, list[str]]:
