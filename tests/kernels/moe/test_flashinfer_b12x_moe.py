@@ -146,7 +146,7 @@ def _prepared(cls, tensors, e, topk, k, n, activation, device, **kwargs):
     """(layer, experts): the experts built from the oracle's quant config and
     prepared on the layer of the checkpoint's ``tensors``."""
     layer = NVFP4ExpertsLayer(tensors, activation).to(device)
-    weight_only = kwargs.pop("w4a16", False)
+    weight_only = kwargs.pop("weight_only", False)
     experts = cls(
         _config(e, topk, k, n, activation),
         b12x_quant_config(layer, weight_only),
@@ -311,7 +311,7 @@ def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     x = (torch.randn(m, k, generator=gen) / (0.02 * k**0.5)).bfloat16()
     logits = torch.randn(m, e, generator=gen)
     layer, experts = _prepared(
-        cls, tensors, e, topk, k, n, act, _device(cls), w4a16=True
+        cls, tensors, e, topk, k, n, act, _device(cls), weight_only=True
     )
     assert experts.weight_only and experts.prepared.w13.dtype == torch.int32
     out = _run(experts, layer, x, logits, topk, act)
