@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""``vllm bench moe-weight-prep --quant w4a16``: the FlashInfer baselines
+"""``vllm bench moe-weight-prep --quant-mode w4a16``: the FlashInfer baselines
 (the modelled public path against FlashInfer's own functions where
 flashinfer is installed), the run and its command line."""
 
@@ -148,13 +148,13 @@ def test_run_compares_every_variant_and_adds_up_the_model(shape):
 # --- the command line ------------------------------------------------------------
 
 
-def _write(path, quant, layers=2, fmt="modelopt"):
+def _write(path, quant_mode, layers=2, fmt="modelopt"):
     return example_checkpoint(
         path,
         "--format",
         fmt,
-        "--quant",
-        quant,
+        "--quant-mode",
+        quant_mode,
         layers=layers,
         experts=4,
         intermediate=128,
@@ -173,7 +173,7 @@ def test_w4a16_checkpoint_auto(tmp_path, capsys, fmt):
     job = json.loads(out_json.read_text())
     assert job["world_size"] == 1 and len(job["ranks"]) == 1
     result = job["ranks"][0]
-    assert result["quant"] == "w4a16" and result["num_layers"] == 2
+    assert result["quant_mode"] == "w4a16" and result["num_layers"] == 2
     assert result["memory_limit_ok"] is True
     # The writer gives gate and up their own global scales: FC2's alpha
     # carries up / gate, and the decode as the kernel computes is exact.
@@ -191,32 +191,32 @@ def test_mixed_checkpoint_takes_the_mode_asked_for(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "mixes w4a4 and w4a16 MoE layers (w4a16: [0, 2])" in err
     out_json = tmp_path / "r.json"
-    for quant, layers in (("w4a16", 2), ("w4a4", 1)):
-        main(checkpoint_argv(ckpt, "--quant", quant, "--json", str(out_json)))
+    for quant_mode, layers in (("w4a16", 2), ("w4a4", 1)):
+        main(checkpoint_argv(ckpt, "--quant-mode", quant_mode, "--json", str(out_json)))
         job = json.loads(out_json.read_text())
         assert job["ranks"][0]["num_layers"] == layers
 
 
 W4A16_ERRORS = {
     "no w4a16 layers": (
-        ["--quant", "w4a16"],
+        ["--quant-mode", "w4a16"],
         "w4a4",
-        "no w4a16 MoE layers (its MoE layers are w4a4): pass --quant w4a4",
+        "no w4a16 MoE layers (its MoE layers are w4a4): pass --quant-mode w4a4",
     ),
-    "tp": (["--tp", "2"], "w4a16", "--tp is not supported with --quant w4a16"),
+    "tp": (["--tp", "2"], "w4a16", "--tp is not supported with --quant-mode w4a16"),
     "fold": (
         ["--global-scale-mode", "fold"],
         "w4a16",
-        "--global-scale-mode fold is not supported with --quant w4a16",
+        "--global-scale-mode fold is not supported with --quant-mode w4a16",
     ),
-    "bad choice": (["--quant", "w8a8"], "w4a16", "invalid choice: 'w8a8'"),
+    "bad choice": (["--quant-mode", "w8a8"], "w4a16", "invalid choice: 'w8a8'"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(W4A16_ERRORS))
 def test_w4a16_argument_errors(tmp_path, capsys, case):
-    flags, quant, message = W4A16_ERRORS[case]
-    ckpt = _write(tmp_path / "ckpt", quant, layers=1)
+    flags, quant_mode, message = W4A16_ERRORS[case]
+    ckpt = _write(tmp_path / "ckpt", quant_mode, layers=1)
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "moe-weight-prep", "--checkpoint", str(ckpt), *flags])
     assert exit_.value.code != 0

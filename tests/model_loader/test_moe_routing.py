@@ -142,7 +142,7 @@ def test_a_layer_built_with_the_checkpoints_routing_computes_its_function(
         activation=ckpt.activation,
         quant_config=ckpt.quant_config(0),
         moe_backend="flashinfer_b12x_emulated",
-        experts_kwargs={"weights_only": True},
+        experts_kwargs={"bf16_activations": True},
         **ckpt.routing.layer_kwargs(),
     )
     ckpt.load_layer(layer, 0)

@@ -256,7 +256,7 @@ def test_matches_transformers_experts(tmp_path, gated, fmt):
     )
     ckpt = NVFP4MoECheckpoint(tmp_path)
     assert ckpt.activation == ("silu" if gated else "relu2")
-    layer = make_layer(gated=gated, experts_kwargs={"weights_only": True})
+    layer = make_layer(gated=gated, experts_kwargs={"bf16_activations": True})
     ckpt.load_layer(layer, 3, progress=True)
     layer.quant_method.process_weights_after_loading(layer)
 

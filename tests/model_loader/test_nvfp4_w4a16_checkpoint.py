@@ -190,26 +190,28 @@ def test_writer_refuses_bad_modes(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])
-@pytest.mark.parametrize("quant", [W4A16, "mixed"])
-def test_writer_cli(tmp_path, capsys, fmt, quant):
-    args = writer_cli_args(tmp_path, "--format", fmt, "--quant", quant, layers=3)
+@pytest.mark.parametrize("quant_mode", [W4A16, "mixed"])
+def test_writer_cli(tmp_path, capsys, fmt, quant_mode):
+    args = writer_cli_args(
+        tmp_path, "--format", fmt, "--quant-mode", quant_mode, layers=3
+    )
     writer.main(args)
-    assert f"({fmt}, {quant})" in capsys.readouterr().out
+    assert f"({fmt}, {quant_mode})" in capsys.readouterr().out
     ckpt = NVFP4MoECheckpoint(tmp_path)
-    want = [W4A16] * 3 if quant == W4A16 else [W4A16, W4A4, W4A16]
+    want = [W4A16] * 3 if quant_mode == W4A16 else [W4A16, W4A4, W4A16]
     assert [ckpt.quant_mode(i) for i in range(3)] == want
     if fmt == MODELOPT:
         algo = quant_json(tmp_path)["quant_algo"]
-        assert algo == ("W4A16_NVFP4" if quant == W4A16 else "MIXED_PRECISION")
+        assert algo == ("W4A16_NVFP4" if quant_mode == W4A16 else "MIXED_PRECISION")
 
 
 def test_writer_cli_per_layer_and_bad_quant(tmp_path, capsys):
-    writer.main(writer_cli_args(tmp_path, "--quant", W4A16, "--per-layer"))
+    writer.main(writer_cli_args(tmp_path, "--quant-mode", W4A16, "--per-layer"))
     q = quant_json(tmp_path)
     assert q["quant_algo"] == "MIXED_PRECISION"
     assert q["quantized_layers"][EXPERTS.format(0)]["quant_algo"] == "W4A16_NVFP4"
     assert NVFP4MoECheckpoint(tmp_path).quant_mode(0) == W4A16
     with pytest.raises(SystemExit) as exit_:
-        writer.main([str(tmp_path / "x"), "--quant", "w4a8"])
+        writer.main([str(tmp_path / "x"), "--quant-mode", "w4a8"])
     assert exit_.value.code == 2
     assert "invalid choice: 'w4a8'" in capsys.readouterr().err

@@ -139,7 +139,7 @@ def test_mixed_checkpoint_runs_each_layer_in_its_mode(tmp_path, fmt):
     ckpt = _write(tmp_path, fmt, True, {0: "w4a16", 1: "w4a4"})
     x, logits = _inputs()
     for idx, weight_only in ((0, True), (1, False)):
-        kwargs = {} if weight_only else {"experts_kwargs": {"weights_only": True}}
+        kwargs = {} if weight_only else {"experts_kwargs": {"bf16_activations": True}}
         layer = _prepared(ckpt, idx, True, **kwargs)
         assert layer.quant_method.quant_config.is_weight_only is weight_only
         assert layer.quant_method.experts.weight_only is weight_only

@@ -15,9 +15,9 @@ Each MoE layer is compared with the tool's own computation:
 
 * decode: the checkpoint's expert weights as this tree decodes them against
   the tool's own dequantization of its in-memory weights (``DECODE_RTOL``);
-* weight-only function: the W4A16 layer, and a W4A4 checkpoint's layer with
-  BF16 activations (the emulation's ``weights_only``), against the tool's
-  function with BF16 activations (``WEIGHT_ONLY_TOL``);
+* BF16-activation function: the W4A16 layer, and a W4A4 checkpoint's layer
+  with BF16 activations (the emulation's ``bf16_activations``), against the
+  tool's function with BF16 activations (``BF16_ACTIVATIONS_TOL``);
 * W4A4 function: the emulated W4A4 layer against the tool's own W4A4
   function (its NVFP4 activation quantizer at the calibrated input scales in
   front of each GEMM). The tool's own W4A4 error is its W4A4 function
@@ -32,7 +32,7 @@ visible at all. It is not visible everywhere: ``silu(g) * u - silu(u) * g``
 is about ``g * u * (g - u) / 4``, so where FC1's outputs are small (inputs
 of small std, small weights) SiLU is nearly linear, and the swapped
 function differs from the right one by about the FC1 outputs' RMS
-(relative, measured, while that is below 1). For the weight-only comparison
+(relative, measured, while that is below 1). For the BF16-activation comparison
 (noise under 1%) the swap is visible, and asserted, from input std 0.03-0.3
 on depending on the layer, and at std 2 for every layer; for W4A4 (the
 tools' own error is about 16%) only where FC1's outputs reach an RMS of
@@ -89,17 +89,17 @@ from vllm.model_executor.model_loader.nvfp4_moe_checkpoint import (
 #: three different points, so at most a few float32 ulps apart (2^-21 is
 #: four; measured: at most about one).
 DECODE_RTOL = 2.0**-21
-#: Weight-only function, relative RMS. Both sides decode the same codes and
+#: BF16-activation function, relative RMS. Both sides decode the same codes and
 #: scales (the decode test), so they differ by BF16 rounding alone (<= 2^-9
 #: relative each time). llm-compressor's function is BF16 throughout: its
 #: fake-quantized weights cast to BF16, every Linear's output, the SiLU
 #: product, the router-weighted sum accumulated in BF16 by index_add
 #: (measured 0.6%). ModelOpt's function here is float32 but for the BF16
-#: SiLU product: the W4A4 layer's weights-only emulation, which rounds at the
+#: SiLU product: the W4A4 layer's BF16-activation emulation, which rounds at the
 #: same point, is within 0.01% of it, the W4A16 layer, which also rounds
 #: FC1's output to BF16 as the kernel does, within 0.4%. Tolerances about
 #: 2.5 times the measured.
-WEIGHT_ONLY_TOL = {LLMCOMPRESSOR: 0.015, MODELOPT: 0.01}
+BF16_ACTIVATIONS_TOL = {LLMCOMPRESSOR: 0.015, MODELOPT: 0.01}
 #: W4A4: the emulated layer's error against the tool's W4A4 function, at
 #: most this many times the tool's own W4A4 error (issue 25's acceptance).
 W4A4_RATIO = 1.1
@@ -152,16 +152,16 @@ def _params(w4a4_only: bool = False) -> list:
 
 @pytest.fixture(scope="session")
 def prepared_layer(quantized_case):
-    """``get(case_id, layer, weights_only)``: a ``FusedMoE`` (emulated b12x)
+    """``get(case_id, layer, bf16_activations)``: a ``FusedMoE`` (emulated b12x)
     built as the checkpoint declares the layer, loaded by the reader and
     prepared; made once per run."""
     layers = {}
 
-    def get(case_id: str, idx: int, weights_only: bool = False) -> FusedMoE:
-        key = (case_id, idx, weights_only)
+    def get(case_id: str, idx: int, bf16_activations: bool = False) -> FusedMoE:
+        key = (case_id, idx, bf16_activations)
         if key not in layers:
             ckpt = NVFP4MoECheckpoint(quantized_case(*_CASES[case_id]).checkpoint)
-            kwargs = {"weights_only": True} if weights_only else None
+            kwargs = {"bf16_activations": True} if bf16_activations else None
             layer = FusedMoE(
                 **ckpt.routing.layer_kwargs(),
                 num_experts=ckpt.num_experts,
@@ -248,22 +248,24 @@ def test_decode_equals_the_tools_own_dequantization(
         assert rel_rms_error(w13, swapped) > 0.5
 
 
-def _weight_only(case_id: str) -> bool:
+def _bf16_activations(case_id: str) -> bool:
     """Whether the case's W4A4 layer is compared with BF16 activations (the
-    emulation's ``weights_only``); W4A16 layers are weight-only anyway."""
+    emulation's ``bf16_activations``); W4A16 layers have them anyway."""
     return _CASES[case_id][2] in _W4A4_SCHEMES
 
 
 @pytest.mark.parametrize("std", INPUT_STDS)
 @pytest.mark.parametrize("case_id", _params())
-def test_weight_only_function_matches_the_tools(
+def test_bf16_activation_function_matches_the_tools(
     case_id, std, quantized_case, prepared_layer, quantizer_measurements
 ):
     case = quantized_case(*_CASES[case_id])
-    tol = WEIGHT_ONLY_TOL[case.tool]
+    tol = BF16_ACTIVATIONS_TOL[case.tool]
     found = {}
     for idx, ref in case.layers.items():
-        layer = prepared_layer(case_id, idx, weights_only=_weight_only(case_id))
+        layer = prepared_layer(
+            case_id, idx, bf16_activations=_bf16_activations(case_id)
+        )
         inputs = expert_inputs(case.model, std)
         out = layer(inputs.x, inputs.logits)
         outs = ref.outputs[std]
@@ -272,7 +274,7 @@ def test_weight_only_function_matches_the_tools(
         visible = rel_rms_error(outs[BF16_GATE_UP_SWAPPED], outs[BF16_ACTIVATIONS])
         found[idx] = (err, swap, visible)
         quantizer_measurements(
-            f"{case_id}: layer {idx} std {std} weight-only vs the tool's",
+            f"{case_id}: layer {idx} std {std} BF16 activations vs the tool's",
             f"{err:.4f} (gate/up swapped {swap:.4f})",
         )
     for idx, (_, swap, visible) in found.items():

@@ -7,7 +7,7 @@ and up carry different global scales, which unmodified 0.33.0 does not.
 The prepared layer is computed by the fork's ``FlashInferB12xEmulatedExperts``
 (the real experts' preparation and views, ``apply`` in torch; built from the
 method's ``moe_config`` and ``moe_quant_config``, bound to the prepared
-layer, ``weights_only=True``: BF16 activations) and compared with the BF16
+layer, ``bf16_activations=True``) and compared with the BF16
 reference MoE (tests/kernels/moe/moe_reference.py) on the checkpoint's
 dequantized weights, each half of w13 with its own global scale. Tolerance: 0.01
 relative RMS (the reference rounds the weights to BF16, 2^-9 relative, and

@@ -388,7 +388,7 @@ def emulated_apply(
 
     method = layer.quant_method
     emulated = flashinfer_b12x_emulated.FlashInferB12xEmulatedExperts(
-        method.moe, method.moe_quant_config, weights_only=True
+        method.moe, method.moe_quant_config, bf16_activations=True
     )
     if bind:
         emulated.process_weights_after_loading(layer)

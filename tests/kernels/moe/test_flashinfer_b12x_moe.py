@@ -92,26 +92,26 @@ def _mnk_ids(cases: list[tuple[int, int, int]]) -> list[str]:
 # FC2 adds the intermediate's and w2's quantization: sqrt(0.21^2 + 2 e^2)
 # ~ 0.25. Tolerance 0.35 [0.20, 0.28].
 W4A4_TOL = 0.35
-# Weights-only emulation vs the BF16 MoE on the DEQUANTIZED checkpoint
+# BF16-activation emulation vs the BF16 MoE on the DEQUANTIZED checkpoint
 # weights. With the global scales kept as alphas (the default) the prepared
 # weights decode to the checkpoint's exactly; what is left is rounding: the
 # reference's BF16 weights (e2m1 * block scale * scale_2 rounded to 8
 # significant bits, relative error <= 2^-9, RMS ~2^-9 / sqrt(3) ~ 0.0011 per
 # weight, ~0.0016 through two GEMMs) and the BF16 intermediate and output
 # (<= 2^-9 each, where the two sides round differently). Tolerance 0.01.
-WEIGHTS_ONLY_TOL = 0.01
+BF16_ACTIVATIONS_TOL = 0.01
 # W4A16 vs the BF16 MoE on the checkpoint's exact dequantized weights: the
 # packed layout decodes to the checkpoint's weights exactly (the factor 2^x
 # and 2^119 / 2^x cancel; no scale of real-magnitude weights is flushed), so
-# only BF16 rounding is left, as for WEIGHTS_ONLY_TOL.
-W4A16_TOL = WEIGHTS_ONLY_TOL
+# only BF16 rounding is left, as for BF16_ACTIVATIONS_TOL.
+W4A16_TOL = BF16_ACTIVATIONS_TOL
 # Negative controls (gate and up swapped) must miss the tolerance by these
 # factors. Swapping turns silu(gate) * up into silu(up) * gate: for unit-
 # variance pre-activations the outputs differ by 0.58-0.99 relative RMS here:
 # 1.7-2.8x the W4A4 tolerance (the W4A4 error itself is a quarter of the
-# signal), and far beyond the weights-only tolerance, the tight check.
+# signal), and far beyond the BF16-activation tolerance, the tight check.
 W4A4_CONTROL_MARGIN = 1.5
-WEIGHTS_ONLY_CONTROL_MARGIN = 20.0
+BF16_ACTIVATIONS_CONTROL_MARGIN = 20.0
 
 
 def _swap_halves(w1: torch.Tensor) -> torch.Tensor:
@@ -146,7 +146,7 @@ def _prepared(cls, tensors, e, topk, k, n, activation, device, **kwargs):
     """(layer, experts): the experts built from the oracle's quant config and
     prepared on the layer of the checkpoint's ``tensors``."""
     layer = NVFP4ExpertsLayer(tensors, activation).to(device)
-    weight_only = kwargs.pop("w4a16", False)
+    weight_only = kwargs.pop("weight_only", False)
     experts = cls(
         _config(e, topk, k, n, activation),
         b12x_quant_config(layer, weight_only),
@@ -234,9 +234,9 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
     assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"gate/up swapped: {control:.3f}"
 
     if cls is FlashInferB12xEmulatedExperts:
-        # Weights-only: a tight comparison with the dequantized weights.
+        # BF16 activations: a tight comparison with the dequantized weights.
         wo_layer, wo = _prepared(
-            cls, tensors, e, topk, k, n, silu, "cpu", weights_only=True
+            cls, tensors, e, topk, k, n, silu, "cpu", bf16_activations=True
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, silu)
         dw1, dw2 = dequantized_experts(tensors, gated=True)
@@ -245,9 +245,9 @@ def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
             x, _swap_halves(dw1), dw2, logits, topk, True
         )
         err = rel_rms_error(out_wo, ref_q)
-        assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
+        assert err < BF16_ACTIVATIONS_TOL, f"BF16 activations vs dequantized: {err:.3f}"
         control = rel_rms_error(out_wo, ref_q_swapped)
-        assert control > WEIGHTS_ONLY_CONTROL_MARGIN * WEIGHTS_ONLY_TOL, control
+        assert control > BF16_ACTIVATIONS_CONTROL_MARGIN * BF16_ACTIVATIONS_TOL, control
 
 
 @pytest.mark.parametrize("cls", BACKENDS)
@@ -279,18 +279,18 @@ def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
     assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"halves swapped: {control:.3f}"
     if cls is FlashInferB12xEmulatedExperts:
         wo_layer, wo = _prepared(
-            cls, tensors, e, topk, k, n, relu2, "cpu", weights_only=True
+            cls, tensors, e, topk, k, n, relu2, "cpu", bf16_activations=True
         )
         out_wo = _run(wo, wo_layer, x, logits, topk, relu2)
         dw1, dw2 = dequantized_experts(tensors, gated=False)
         ref_q = moe_reference.torch_moe(x, dw1, dw2, logits, topk, True, "relu2")
         err = rel_rms_error(out_wo, ref_q)
-        assert err < WEIGHTS_ONLY_TOL, f"weights-only vs dequantized: {err:.3f}"
+        assert err < BF16_ACTIVATIONS_TOL, f"BF16 activations vs dequantized: {err:.3f}"
         ref_q_wrong = moe_reference.torch_moe(
             x, _swap_halves(dw1), dw2, logits, topk, True, "relu2"
         )
         control = rel_rms_error(out_wo, ref_q_wrong)
-        assert control > WEIGHTS_ONLY_CONTROL_MARGIN * WEIGHTS_ONLY_TOL, control
+        assert control > BF16_ACTIVATIONS_CONTROL_MARGIN * BF16_ACTIVATIONS_TOL, control
 
 
 @pytest.mark.parametrize("cls", W4A16_BACKENDS)
@@ -311,7 +311,7 @@ def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     x = (torch.randn(m, k, generator=gen) / (0.02 * k**0.5)).bfloat16()
     logits = torch.randn(m, e, generator=gen)
     layer, experts = _prepared(
-        cls, tensors, e, topk, k, n, act, _device(cls), w4a16=True
+        cls, tensors, e, topk, k, n, act, _device(cls), weight_only=True
     )
     assert experts.weight_only and experts.prepared.w13.dtype == torch.int32
     out = _run(experts, layer, x, logits, topk, act)
@@ -323,7 +323,7 @@ def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
     assert err < W4A16_TOL, f"W4A16 vs dequantized: {err:.4f}"
     wrong = moe_reference.torch_moe(x, _swap_halves(dw1), dw2, logits, topk, True, name)
     control = rel_rms_error(out, wrong)
-    assert control > WEIGHTS_ONLY_CONTROL_MARGIN * W4A16_TOL, control
+    assert control > BF16_ACTIVATIONS_CONTROL_MARGIN * W4A16_TOL, control
 
 
 @pytest.mark.parametrize("cls", [FlashInferB12xExperts, FlashInferB12xEmulatedExperts])

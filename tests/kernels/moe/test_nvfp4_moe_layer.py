@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """This tree's ``FusedMoE`` with the ModelOpt NVFP4 method: vLLM's constructor
-arguments, the backend selection and its refusals, and the weights-only
+arguments, the backend selection and its refusals, and the BF16-activation
 emulation's exactness through the whole layer."""
 
 import pytest
@@ -84,7 +84,7 @@ def test_unknown_backend():
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
-def test_weights_only_emulation_is_exact_when_the_fold_is_exact(gated):
+def test_bf16_activation_emulation_is_exact_when_the_fold_is_exact(gated):
     # With global scales of 1 the fold changes nothing, so the only difference
     # between the emulation (reading [w3; w1], swizzled MMA-layout scales) and
     # the BF16 reference on the dequantized checkpoint weights would be a
@@ -97,7 +97,7 @@ def test_weights_only_emulation_is_exact_when_the_fold_is_exact(gated):
     gen = torch.Generator().manual_seed(42)
     x = torch.randn(16, k, generator=gen).bfloat16()
     logits = torch.randn(16, e, generator=gen)
-    layer = make_nvfp4_layer(e, topk, k, n, gated, EMULATED, weights_only=True)
+    layer = make_nvfp4_layer(e, topk, k, n, gated, EMULATED, bf16_activations=True)
     load_nvfp4_experts(layer, tensors)
     layer.quant_method.process_weights_after_loading(layer)
     out = layer(x, logits)

@@ -31,7 +31,7 @@ E, H, I, TOPK, T = 8, 256, 128, 2, 64  # noqa: E741
 STDS = [1.0, 0.02, 0.005]
 
 # Tolerances, relative RMS of the layer output against the BF16 MoE on the
-# checkpoint's exact (float32) dequantized weights, weights-only emulation.
+# checkpoint's exact (float32) dequantized weights, BF16-activation emulation.
 #
 # Shared gate/up global scales, "alpha": the prepared weights decode to the
 # checkpoint's exactly; the two sides differ only in where float32 products
@@ -79,7 +79,7 @@ def _inputs(std: float):
 
 def _prepared(ckpt, mode: str) -> FusedMoE:
     layer = make_layer(
-        experts_kwargs={"weights_only": True, "global_scale_mode": mode},
+        experts_kwargs={"bf16_activations": True, "global_scale_mode": mode},
     )
     ckpt.load_layer(layer, 0)
     layer.quant_method.process_weights_after_loading(layer)

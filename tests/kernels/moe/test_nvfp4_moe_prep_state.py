@@ -88,7 +88,9 @@ def _layer(shape, tensors, **kwargs):
     # W4A16 needs one 64-row strip and an expert's cycle plan at the least.
     cap = CAP if kwargs.get("quant_mode", "w4a4") == "w4a4" else W4A16_CAP
     kwargs.setdefault("max_transient_bytes", cap)
-    layer = make_nvfp4_layer(e, 2, h, i, gated, BACKEND, weights_only=True, **kwargs)
+    layer = make_nvfp4_layer(
+        e, 2, h, i, gated, BACKEND, bf16_activations=True, **kwargs
+    )
     load_nvfp4_experts(layer, tensors)
     return layer
 
@@ -238,7 +240,7 @@ def test_reload_into_prepared_layer_equals_fresh_layer(shape, place):
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
     e, h, i, gated = shape
     layer = make_nvfp4_layer(
-        e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP, weights_only=True
+        e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP, bf16_activations=True
     )
     layer.w13_loaded_as_w3w1 = place and gated
     _load_through_loader(layer, old)
@@ -260,7 +262,7 @@ def test_reload_into_prepared_layer_equals_fresh_layer(shape, place):
         assert p.untyped_storage().data_ptr() == storages[n], n
 
     fresh = make_nvfp4_layer(
-        e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP, weights_only=True
+        e, 2, h, i, gated, BACKEND, max_transient_bytes=CAP, bf16_activations=True
     )
     _load_through_loader(fresh, new)
     _prepare(fresh)

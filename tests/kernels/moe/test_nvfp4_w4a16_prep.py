@@ -73,7 +73,7 @@ def test_layer_packed_weights_are_the_reference_in_the_parameters(shape, place_w
 @pytest.mark.parametrize("shape", LAYERS, ids=LAYER_IDS)
 def test_layer_runs_within_bf16_tolerance_of_the_dequantized_moe(shape):
     # Emulation vs the BF16 MoE on the checkpoint's exact dequantized
-    # weights: rounding only (see test_flashinfer_b12x_moe.WEIGHTS_ONLY_TOL).
+    # weights: rounding only (see test_flashinfer_b12x_moe.BF16_ACTIVATIONS_TOL).
     e, h, i, gated = shape
     t = w4a16_tensors(e, h, i, gated, seed=2)
     layer = w4a16_layer(e, h, i, gated)

@@ -6,12 +6,12 @@ For every MoE layer of a model preset or a checkpoint, one layer at a time::
 
     synthetic NVFP4 layer (random codes and scales of the exact shapes)
     or a checkpoint's layer (``sources``)
-      -> --quant w4a4 (``w4a4_layers``):
+      -> --quant-mode w4a4 (``w4a4_layers``):
            legacy  preparation: reorder (split+cat), swizzle (padded + permuted
                    copies), fold (float32 whole-tensor products)
            bounded preparation: FusedMoE's own process_weights_after_loading
                    for the b12x backends (fold, reorder, swizzle, finalize)
-      -> --quant w4a16 (``w4a16_layers``): FlashInfer's W4A16 paths
+      -> --quant-mode w4a16 (``w4a16_layers``): FlashInfer's W4A16 paths
            (``baselines``) beside the bounded one
       -> check: every variant gives the same bytes (``checks``)
 

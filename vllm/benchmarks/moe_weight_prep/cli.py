@@ -31,7 +31,7 @@ __all__ = [
     "add_cli_args",
     "main",
     "parse_size",
-    "resolve_quant",
+    "resolve_quant_mode",
 ]
 
 CLI_HELP = "NVFP4 MoE weight preparation for FlashInfer: legacy vs bounded"
@@ -44,7 +44,7 @@ CLI_DESCRIPTION = (
 )
 
 
-#: ``--quant`` values: a mode, or the checkpoint's declared one.
+#: ``--quant-mode`` values: a mode, or the checkpoint's declared one.
 QUANT_CHOICES = ("auto", "w4a4", "w4a16")
 
 #: Largest size accepted on the command line (1 PiB).
@@ -96,7 +96,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "runs on any device; the kernel itself is not called)",
     )
     parser.add_argument(
-        "--quant",
+        "--quant-mode",
         default="auto",
         choices=QUANT_CHOICES,
         help="w4a4: NVFP4 weights and activations (legacy vs bounded); w4a16: "
@@ -223,13 +223,13 @@ def _list_presets() -> str:
 MIN_CLI_MAX_TRANSIENT = 64 << 10
 
 
-def resolve_quant(args: argparse.Namespace) -> str:
-    """``"w4a4"`` or ``"w4a16"`` for ``--quant`` (auto: what a checkpoint
+def resolve_quant_mode(args: argparse.Namespace) -> str:
+    """``"w4a4"`` or ``"w4a16"`` for ``--quant-mode`` (auto: what a checkpoint
     declares; a preset is w4a4). ValueError for ``auto`` on a checkpoint
     that mixes the two."""
-    quant = getattr(args, "quant", "auto")
-    if quant != "auto":
-        return quant
+    quant_mode = getattr(args, "quant_mode", "auto")
+    if quant_mode != "auto":
+        return quant_mode
     if not args.checkpoint:
         return "w4a4"
     modes = checkpoint_quant_modes(args.checkpoint)
@@ -238,8 +238,8 @@ def resolve_quant(args: argparse.Namespace) -> str:
         w4a16 = [i for i, m in modes.items() if m == "w4a16"]
         raise ValueError(
             f"--checkpoint {args.checkpoint} mixes w4a4 and w4a16 MoE layers "
-            f"(w4a16: {w4a16}): pass --quant w4a4 or --quant w4a16 to measure "
-            "those layers"
+            f"(w4a16: {w4a16}): pass --quant-mode w4a4 or --quant-mode w4a16 to "
+            "measure those layers"
         )
     return found[0]
 
@@ -254,7 +254,7 @@ def _check_w4a16_args(args: argparse.Namespace) -> None:
     for flag, given in unsupported:
         if given:
             raise ValueError(
-                f"{flag} is not supported with --quant w4a16 (one process; W4A16 "
+                f"{flag} is not supported with --quant-mode w4a16 (one process; W4A16 "
                 "keeps the global scales as the kernel's alphas)"
             )
 
@@ -305,9 +305,9 @@ def main(args: argparse.Namespace) -> int:
         )
     if args.checkpoint and not os.path.lexists(args.checkpoint):
         raise ValueError(f"--checkpoint {args.checkpoint}: no such directory")
-    quant = resolve_quant(args)
-    if quant == "w4a16":
+    quant_mode = resolve_quant_mode(args)
+    if quant_mode == "w4a16":
         _check_w4a16_args(args)
     return run_job(
-        args, device, quant, start=start, json_path=json_path, plot_path=plot_path
+        args, device, quant_mode, start=start, json_path=json_path, plot_path=plot_path
     )

@@ -24,13 +24,13 @@ __all__ = [
 
 def rank_job(rank: int, params: dict) -> dict:
     """One rank of the job: prepares its own shard of every layer of mode
-    ``params["quant"]`` and returns its :func:`run_benchmark` (``"w4a4"``)
+    ``params["quant_mode"]`` and returns its :func:`run_benchmark` (``"w4a4"``)
     or :func:`run_w4a16_benchmark` (``"w4a16"``, one rank) result. In a
     worker of ``--tp N`` it meets the other ranks before each layer, so they
     prepare at the same moment; with ``--tp 1`` it runs in the job's own
     process."""
     n = params["world_size"]
-    quant = params.get("quant", "w4a4")
+    quant_mode = params.get("quant_mode", "w4a4")
     shard = shard_of(rank, n, params["expert_parallel"])
     device = (
         torch.device("cuda", rank)
@@ -52,9 +52,9 @@ def rank_job(rank: int, params: dict) -> dict:
         tqdm.set_lock(threading.RLock())
     if params["checkpoint"]:
         preset, layer_tensors = checkpoint_source(
-            params["checkpoint"], shard, device, quant
+            params["checkpoint"], shard, device, quant_mode
         )
-    if quant == "w4a16":
+    if quant_mode == "w4a16":
         return run_w4a16_benchmark(
             preset,
             device=device,

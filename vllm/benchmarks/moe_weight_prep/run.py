@@ -51,10 +51,10 @@ def write_json(path: str, value) -> None:
     write_atomically(path, write)
 
 
-def _exceeds(result: dict, quant: str) -> bool:
+def _exceeds(result: dict, quant_mode: str) -> bool:
     """Whether the bounded preparation of ``result`` exceeds --memory-limit."""
     ok = result["memory_limit_ok"]
-    if quant == "w4a16":
+    if quant_mode == "w4a16":
         return ok is False
     return ok is not None and not ok["bounded"]
 
@@ -62,14 +62,14 @@ def _exceeds(result: dict, quant: str) -> bool:
 def run_job(
     args: argparse.Namespace,
     device: torch.device,
-    quant: str,
+    quant_mode: str,
     *,
     start: float,
     json_path: str | None = None,
     plot_path: str | None = None,
 ) -> int:
     """Run the job of ``args`` (already checked by the command line) in mode
-    ``quant`` (:data:`QUANT_MODES`) on ``device``: ``args.tp`` ranks (W4A16:
+    ``quant_mode`` (:data:`QUANT_MODES`) on ``device``: ``args.tp`` ranks (W4A16:
     one), each preparing its shard of every layer. Prints the report, writes
     ``json_path`` (before the plot) and ``plot_path``; returns 1 when the
     bounded preparation exceeds ``--memory-limit``, else 0. ``start`` is the
@@ -78,19 +78,21 @@ def run_job(
     A bad layer source raises ValueError before any rank starts; a failure
     after that raises :class:`RunError` (or the launcher's ``WorkerError``).
     """
-    if quant not in QUANT_MODES:
-        raise ValueError(f"--quant must be one of {QUANT_MODES}, got {quant!r}")
+    if quant_mode not in QUANT_MODES:
+        raise ValueError(
+            f"--quant-mode must be one of {QUANT_MODES}, got {quant_mode!r}"
+        )
     n = args.tp
     rank0 = shard_of(0, n, args.enable_expert_parallel)
     if args.checkpoint:
-        preset, _ = checkpoint_source(args.checkpoint, rank0, device, quant)
+        preset, _ = checkpoint_source(args.checkpoint, rank0, device, quant_mode)
     else:
         preset = get_preset(args.model)
         rank0.check(preset)  # a bad --tp is refused before anything runs
     # Before any rank is spawned: the same error for one rank or N.
     check_num_layers(preset, args.num_layers)
     params = {
-        "quant": quant,
+        "quant_mode": quant_mode,
         "preset": preset,
         "checkpoint": args.checkpoint,
         "world_size": n,
@@ -120,7 +122,7 @@ def run_job(
     wall = time.perf_counter() - start
     for result in results:
         result["busy_cores"] = args.busy_cores
-    if quant == "w4a16":
+    if quant_mode == "w4a16":
         print(format_w4a16_report(results[0]))
     else:
         print(format_report(results[0]))
@@ -131,8 +133,8 @@ def run_job(
     if json_path:
         # The same layout for any --tp: one result per rank under "ranks".
         job = {"world_size": n, "expert_parallel": args.enable_expert_parallel}
-        if quant == "w4a16":
-            job |= {"quant": quant, "busy_cores": args.busy_cores}
+        if quant_mode == "w4a16":
+            job |= {"quant_mode": quant_mode, "busy_cores": args.busy_cores}
         else:
             job |= {
                 "busy_cores": args.busy_cores,
@@ -148,9 +150,9 @@ def run_job(
             what = getattr(e, "strerror", None) or str(e).splitlines()[0]
             raise RunError(f"--plot {args.plot}: {what}") from e
         print(f"wrote {plot_path}")
-    over = [r.get("rank", 0) for r in results if _exceeds(r, quant)]
+    over = [r.get("rank", 0) for r in results if _exceeds(r, quant_mode)]
     if over:
-        what = "W4A16 preparation" if quant == "w4a16" else "preparation"
+        what = "W4A16 preparation" if quant_mode == "w4a16" else "preparation"
         where = "" if n == 1 else f" on rank(s) {', '.join(map(str, over))}"
         print(
             f"vllm bench moe-weight-prep: error: the bounded {what} exceeds "

@@ -27,10 +27,10 @@ def checkpoint_quant_modes(path: str) -> dict[int, str]:
 
 
 def checkpoint_source(
-    path: str, shard: RankShard, device: torch.device, quant: str = "w4a4"
+    path: str, shard: RankShard, device: torch.device, quant_mode: str = "w4a4"
 ):
     """A preset describing the checkpoint's MoE geometry, and a function that
-    loads ``shard`` of its i-th MoE layer of mode ``quant`` (``"w4a4"`` or
+    loads ``shard`` of its i-th MoE layer of mode ``quant_mode`` (``"w4a4"`` or
     ``"w4a16"``: a mixed checkpoint's layers of the other mode are left out),
     into a layer built with the config the checkpoint declares for it; its
     parameters by name, checkpoint layout. ValueError when the checkpoint
@@ -41,12 +41,12 @@ def checkpoint_source(
     )
 
     ckpt = NVFP4MoECheckpoint(path)
-    layers = [i for i in ckpt.moe_layers if ckpt.quant_mode(i) == quant]
+    layers = [i for i in ckpt.moe_layers if ckpt.quant_mode(i) == quant_mode]
     if not layers:
         found = sorted({ckpt.quant_mode(i) for i in ckpt.moe_layers})
         raise ValueError(
-            f"{ckpt.model_dir}: no {quant} MoE layers (its MoE layers are "
-            f"{' and '.join(found)}): pass --quant {found[0]}"
+            f"{ckpt.model_dir}: no {quant_mode} MoE layers (its MoE layers are "
+            f"{' and '.join(found)}): pass --quant-mode {found[0]}"
         )
     preset = MoEModelPreset(
         name=ckpt.model_dir.name,

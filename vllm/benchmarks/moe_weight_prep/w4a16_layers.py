@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""One process's W4A16 layers in ``vllm bench moe-weight-prep --quant w4a16``:
+"""One process's W4A16 layers in ``vllm bench moe-weight-prep --quant-mode w4a16``:
 W4A16 (weight-only NVFP4) expert preparation for FlashInfer's b12x kernel,
 FlashInfer's way beside this tree's, per layer and for the model.
 
@@ -113,7 +113,9 @@ def _variants(preset, device, cap, flashinfer: bool) -> dict[str, Callable]:
         return run
 
     def bounded(tensors):
-        layer = make_layer(preset, RankShard(), device, tensors, cap, quant="w4a16")
+        layer = make_layer(
+            preset, RankShard(), device, tensors, cap, quant_mode="w4a16"
+        )
 
         def prepare():
             with preparing_weights(device):
@@ -273,7 +275,7 @@ def run_w4a16_benchmark(
             "model_peak_bytes": max(sum(kept[:i]) + peaks[i] for i in range(len(rows))),
         }
     return {
-        "quant": "w4a16",
+        "quant_mode": "w4a16",
         "model": preset.name,
         "hf_id": preset.hf_id,
         "source": "synthetic" if layer_tensors is None else "checkpoint",

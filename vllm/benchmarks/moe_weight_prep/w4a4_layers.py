@@ -134,13 +134,13 @@ def _bounded_run(
     device,
     cap,
     metered,
-    mode="alpha",
+    global_scale_mode="alpha",
     copy_in=contextlib.nullcontext,
 ):
     """The bounded steps on a new layer holding ``tensors``; ``copy_in()`` is
     the context the layer is built and filled in."""
     with copy_in():
-        layer = make_layer(preset, shard, device, tensors, cap, mode)
+        layer = make_layer(preset, shard, device, tensors, cap, global_scale_mode)
     steps = layer.quant_method.preparation_steps(layer)
     # One thread setting around all steps, as process_weights_after_loading.
     with preparing_weights(device):
@@ -150,18 +150,20 @@ def _bounded_run(
     return records, layer
 
 
-def check_equal(layer, legacy: dict, tensors: dict, layer_idx: int, mode: str):
+def check_equal(
+    layer, legacy: dict, tensors: dict, layer_idx: int, global_scale_mode: str
+):
     """The bounded preparation's bytes against the legacy one's (weights, and
     in "fold" mode the folded scales) or, in "alpha" mode, against the
     checkpoint's own block scales reordered and swizzled."""
     names = ["w13_weight", "w2_weight"]
     s2 = tensors["w13_weight_scale_2"]
     expected = {}
-    if mode == "fold" and bool((s2 == s2[:, :1]).all()):
+    if global_scale_mode == "fold" and bool((s2 == s2[:, :1]).all()):
         # With separate w1/w3 global scales the legacy fold is wrong (it used
         # w1's for both halves): only then do the w13 scales differ.
         names += ["w13_weight_scale", "w2_weight_scale"]
-    elif mode == "alpha" and bool((s2 == s2[:, :1]).all()):
+    elif global_scale_mode == "alpha" and bool((s2 == s2[:, :1]).all()):
         s13 = tensors["w13_weight_scale"]
         if layer.moe_config.is_act_and_mul:
             s13 = split_cat_halves(s13, -2)
@@ -174,8 +176,8 @@ def check_equal(layer, legacy: dict, tensors: dict, layer_idx: int, mode: str):
     for name, want in expected.items():
         if not same_bytes(getattr(layer, name).data, want):
             raise RuntimeError(
-                f"layer {layer_idx}: the bounded preparation ({mode}) differs from "
-                f"the reference in {name}"
+                f"layer {layer_idx}: the bounded preparation ({global_scale_mode}) "
+                f"differs from the reference in {name}"
             )
 
 

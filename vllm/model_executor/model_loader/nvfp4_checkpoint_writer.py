@@ -9,7 +9,7 @@ different ones), and written as sharded safetensors with an index::
 
     python -m vllm.model_executor.model_loader.nvfp4_checkpoint_writer OUT_DIR \\
         [--format modelopt|compressed-tensors] [--activation silu|relu2] \\
-        [--quant w4a4|w4a16|mixed] [--per-layer] [--overwrite] ...
+        [--quant-mode w4a4|w4a16|mixed] [--per-layer] [--overwrite] ...
 
 The checkpoint is written into a new directory beside ``OUT_DIR`` and
 renamed into place at the end, so an interrupted write leaves no
@@ -486,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
             help=f"{what} (default %(default)s)",
         )
     parser.add_argument(
-        "--quant",
+        "--quant-mode",
         default=W4A4,
         choices=[W4A4, W4A16, "mixed"],
         help="w4a4: NVFP4 weights and activations; w4a16: weight-only NVFP4 "
@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="modelopt: declare each layer's experts under MIXED_PRECISION "
         "quantized_layers (as NVIDIA's Qwen3.6 NVFP4 release) even for one "
-        "--quant; mixed always does",
+        "--quant-mode; mixed always does",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="random seed (default %(default)s)"
@@ -538,10 +538,10 @@ def main(argv: list[str] | None = None) -> None:
     gated = args.activation == "silu"
     block = "mlp" if gated else "mixer"
     prefix = "model.layers" if gated else "backbone.layers"
-    if args.quant == "mixed":
+    if args.quant_mode == "mixed":
         modes = {i: W4A16 if i % 2 == 0 else W4A4 for i in range(args.num_layers)}
     else:
-        modes = args.quant
+        modes = args.quant_mode
     try:
         # One intra-op thread: many small element-wise operations, each of
         # which would wait for its slowest thread; the draw too (the same
@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{parser.prog}: error: out of memory writing {sizes} "
             f"(about {need / 2**30:.1f} GiB needed)\n",
         )
-    print(f"wrote an NVFP4 ({args.format}, {args.quant}) MoE checkpoint to {out}")
+    print(f"wrote an NVFP4 ({args.format}, {args.quant_mode}) MoE checkpoint to {out}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ class FusedMoE(torch.nn.Module):
             backend that cannot run here raises ValueError with the reason.
         experts_kwargs: extra options of the experts class (e.g.
             ``max_transient_bytes``, ``global_scale_mode``, or
-            ``weights_only`` for the emulation).
+            ``bf16_activations`` for the emulation).
         max_num_tokens: the most tokens one forward takes (the kernel's
             CUDA-graph buffers are sized for it).
         renormalize: renormalize the top-k routing weights to sum to 1.

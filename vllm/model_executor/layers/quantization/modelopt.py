@@ -48,7 +48,7 @@ __all__ = ["NVFP4_QUANT_MODES", "ModelOptNvFp4Config", "ModelOptNvFp4FusedMoE"]
 #: Activation modes of an NVFP4 MoE layer, named as FlashInfer's ``quant_mode``
 #: (this tree's short names for ModelOpt's ``quant_algo``): ``"w4a4"`` is
 #: ``NVFP4`` (activations quantized to NVFP4 too), ``"w4a16"`` is
-#: ``W4A16_NVFP4`` (BF16 activations, weights only).
+#: ``W4A16_NVFP4`` (weight-only: BF16 activations).
 NVFP4_QUANT_MODES = {"w4a4": "NVFP4", "w4a16": "W4A16_NVFP4"}
 
 

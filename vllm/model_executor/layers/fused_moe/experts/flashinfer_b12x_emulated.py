@@ -12,7 +12,7 @@ W4A4 (``quant_config.quant_dtype == "nvfp4"``):
   undo that); block scales are read through the MMA-layout views;
 * ``e2m1 * block_scale`` per weight, times the per-expert alphas on the
   GEMM outputs;
-* ``weights_only=False`` (the kernel's arithmetic): each expert's FC1 input
+* ``bf16_activations=False`` (the kernel's arithmetic): each expert's FC1 input
   (BF16) is quantized to NVFP4 as the kernel does it
   (``flashinfer_b12x_w4a4_format.quantize_nvfp4_b12x_activation``, fast math) with
   ``fc1_input_scale[e]`` (``w1_alpha[e]`` when there is none), the GEMM runs
@@ -24,7 +24,7 @@ W4A4 (``quant_config.quant_dtype == "nvfp4"``):
   order and tiling, its reciprocal approximations (within one ulp: a value
   on an E4M3 or E2M1 rounding boundary may round the other way), its fast
   activation functions and its BF16 rounding of each route's output.
-* ``weights_only=True``: activations stay BF16; every GEMM multiplies BF16
+* ``bf16_activations=True``: activations stay BF16; every GEMM multiplies BF16
   activations by the decoded weights in fp32 (the FC2 output by
   ``w2_alpha / fc2_input_scale``, the weights' own factor) and the
   intermediate is rounded to BF16, so the result can be compared tightly
@@ -129,7 +129,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
         *,
         max_transient_bytes: int | None = None,
         global_scale_mode: str | None = None,
-        weights_only: bool = False,
+        bf16_activations: bool = False,
     ):
         super().__init__(
             moe_config,
@@ -137,7 +137,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
             max_transient_bytes=max_transient_bytes,
             global_scale_mode=global_scale_mode,
         )
-        self.emulate_weights_only = weights_only
+        self.bf16_activations = bf16_activations
 
     @classmethod
     def check_kernel_config(cls, moe: FusedMoEConfig, weight_only: bool) -> None:
@@ -227,7 +227,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
             tok = tokens[sel]
             x = hidden_states[tok]  # [n, H]
             w13 = self._decoded_weight(w1, t.w1_sf_mma, e, rows, h)  # [rows, H]
-            if self.emulate_weights_only:
+            if self.bf16_activations:
                 fc1 = (x.float() @ w13.t()) * t.w1_alpha[e]  # [n, rows]
             elif t.fc1_input_scale is None:
                 # Fold mode: w1_alpha is both the input's scale and the
@@ -240,7 +240,7 @@ class FlashInferB12xEmulatedExperts(FlashInferB12xExperts):
             act = _activation(moe.activation, fc1, first_is_gate=False)  # [n, I]
             act = act.to(hidden_states.dtype)
             w2e = self._decoded_weight(w2, t.w2_sf_mma, e, h, inter)  # [H, I]
-            if self.emulate_weights_only:
+            if self.bf16_activations:
                 alpha2 = t.w2_alpha[e] / t.fc2_input_scale[e]
                 y = (act.float() @ w2e.t()) * alpha2  # [n, H]
             else:
