@@ -5,13 +5,17 @@ runner that records each step in the layer's
 :class:`~vllm.model_executor.layers.fused_moe.weight_prep_state.MoEWeightPrepState`,
 in an explicit order, and the way back to the load layout::
 
-    steps (the layout's, in order)       run_preparation_step(name): that
-    [validate, ..., finalize]            step only, once its predecessor is
-                                         done (RuntimeError otherwise)
-                                         run_preparation_steps: the rest
-    restore_load_layout:  exact (the layout's own inverse of each step
-                          done), or reset_load_layout (torn) when the bytes
-                          cannot be trusted
+    run_preparation_steps(layer, state, weights[, name])
+      1. a PREPARED layer: only checked (check_unchanged); done
+      2. RESTORING: restore_load_layout first (an interrupted restore)
+      3. LOADING: the layout's first step (it validates), then PREPARING
+      4. the layout's steps not yet done, in order (``name``: that step
+         only, once its predecessor is done)
+      5. the last one done: PREPARED, recorded (record_prepared)
+
+    restore_load_layout(weights, layer, state):  exact (the layout's own
+      inverse of each step done, after the step in flight is finished), or
+      reset_load_layout (torn) when the bytes cannot be trusted
 
 Each layout keeps its steps beside their inverses
 (``experts/flashinfer_b12x_w4a4.py``, ``experts/flashinfer_b12x_w4a16.py``).
@@ -50,11 +54,8 @@ __all__ = [
     "PrepStep",
     "WeightLayout",
     "check_global_scales",
-    "finish_started_step",
-    "reorder_w13_halves",
     "reset_load_layout",
     "restore_load_layout",
-    "run_preparation_step",
     "run_preparation_steps",
 ]
 
@@ -64,31 +65,24 @@ PrepStep = tuple[str, Callable[[], None]]
 
 class WeightLayout(Protocol):
     """What the runner needs of a layout (``B12xW4A4Weights``,
-    ``B12xW4A16Weights``): its steps in order and its exact inverse."""
+    ``B12xW4A16Weights``): its steps in order and its exact inverse.
+    ``restore_completes_preparation``: the inverse needs an interrupted
+    preparation completed first (else only the step in flight is finished)."""
 
     moe_config: FusedMoEConfig
     swizzles_block_scales: bool
+    restore_completes_preparation: bool
 
-    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]: ...
+    def preparation_steps(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> list[PrepStep]: ...
 
     def restore_load_layout(
-        self, layer: torch.nn.Module, finish: Callable[[], None]
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
     ) -> None: ...
 
 
 # -- helpers the layouts' steps share ------------------------------------------
-def reorder_w13_halves(*tensors: torch.Tensor, **kwargs) -> None:
-    """``reorder_w1w3_to_w3w1(*tensors, **kwargs)`` (``flashinfer_fp4_moe``):
-    swaps the two row halves of w13 in place, in bounded memory."""
-    # Imported when a step runs: flashinfer_fp4_moe imports the NVFP4
-    # oracle, which imports the experts whose steps call this.
-    from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-        reorder_w1w3_to_w3w1,
-    )
-
-    reorder_w1w3_to_w3w1(*tensors, **kwargs)
-
-
 def check_global_scales(
     layer: torch.nn.Module,
     first_expert: int,
@@ -118,7 +112,7 @@ def check_global_scales(
 
 
 # -- the way there ---------------------------------------------------------------
-def _enter(layer, state, moe, steps, restore, device) -> bool:
+def _enter(layer, state, weights, steps, device) -> bool:
     """Bring ``layer`` to where a step may run; False for a PREPARED layer
     (only checked). From LOADING the first step (it validates) runs here,
     while the layer is still LOADING, so a ValueError leaves it loadable
@@ -130,10 +124,10 @@ def _enter(layer, state, moe, steps, restore, device) -> bool:
         # Resuming would run the remaining steps on a mix of layouts.
         check_unchanged(state, layer)
     if state.status is PrepStatus.RESTORING:
-        restore()
+        restore_load_layout(weights, layer, state)
     if state.status is PrepStatus.LOADING:
         state.check_not_torn()
-        check_load_layout(layer, moe)
+        check_load_layout(layer, weights.moe_config)
         name, validate = steps[0]
         validate()
         state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
@@ -141,90 +135,74 @@ def _enter(layer, state, moe, steps, restore, device) -> bool:
     return True
 
 
-def _finish_if_last(layer, state, steps) -> None:
-    if steps[-1][0] not in state.done:
-        return
-    state.status = PrepStatus.PREPARED
-    state.plans = {}
-    state.writes_since_prepared = False
-    record_prepared(state, layer)
+def _check_order(state, names: list[str], name: str) -> None:
+    """ValueError for an unknown step; RuntimeError when the step before
+    ``name`` is not done (the first step runs from the load layout, each
+    other one after its predecessor)."""
+    if name not in names:
+        raise ValueError(f"unknown preparation step {name!r}; the steps are {names}")
+    index = names.index(name)
+    after = names[index - 1] if index > 0 else None
+    if (
+        after is not None
+        and state.status is not PrepStatus.PREPARED
+        and (state.status is not PrepStatus.PREPARING or after not in state.done)
+    ):
+        raise RuntimeError(
+            f"preparation step {name!r} runs after {after!r}, which is not "
+            f"done (status {state.status.value}, done: {state.done}); the "
+            f"steps, in order: {names}"
+        )
 
 
 def run_preparation_steps(
     layer: torch.nn.Module,
     state: MoEWeightPrepState,
-    moe: FusedMoEConfig,
-    steps: list[PrepStep],
-    restore: Callable[[], None],
+    weights: WeightLayout,
+    name: str | None = None,
 ) -> None:
-    """Run the ``steps`` not yet done on ``layer``, in order, each at most
-    once per preparation: a call after an exception resumes where the last
-    one stopped. Each step is recorded once the device finished it
-    (``state.mark_done``); the last one marks the layer PREPARED. A PREPARED
-    layer is only checked (``check_unchanged``); a RESTORING one is first
-    brought back to the load layout (``restore``). Holds the layer's lock."""
+    """Run the steps of ``weights`` (the layer's layout) not yet done on
+    ``layer``, in order, each at most once per preparation: a call after an
+    exception resumes where the last one stopped. Each step is recorded once
+    the device finished it (``state.mark_done``); the last one marks the
+    layer PREPARED (``record_prepared``). A PREPARED layer is only checked
+    (``check_unchanged``); a RESTORING one is first brought back to the load
+    layout (:func:`restore_load_layout`).
+
+    ``name``: run that one step only (a benchmark times them one by one this
+    way), recorded the same way; ValueError for an unknown step,
+    RuntimeError when the step before it is not done (nothing runs then).
+    Holds the layer's lock."""
+    steps = weights.preparation_steps(layer, state)
+    names = [n for n, _ in steps]
     # Read once: no torch call (a tensor attribute is one) between a step's
     # last write and its record, where an interrupt could land.
     device = layer.w13_weight.device
     with state.lock:
-        if not _enter(layer, state, moe, steps, restore, device):
+        if name is not None:
+            _check_order(state, names, name)
+        if not _enter(layer, state, weights, steps, device):
             return
-        for name, fn in steps:
-            if name not in state.done:
+        for n, fn in steps:
+            if n not in state.done and name in (None, n):
                 fn()
-                state.mark_done(name, device)
-        _finish_if_last(layer, state, steps)
+                state.mark_done(n, device)
+        if names[-1] in state.done:
+            state.status = PrepStatus.PREPARED
+            state.plans = {}
+            state.writes_since_prepared = False
+            record_prepared(state, layer)
 
 
-def run_preparation_step(
-    layer: torch.nn.Module,
-    state: MoEWeightPrepState,
-    moe: FusedMoEConfig,
-    steps: list[PrepStep],
-    restore: Callable[[], None],
-    name: str,
-) -> None:
-    """Run the one step ``name`` of ``steps`` (a benchmark times them one by
-    one this way), recorded as :func:`run_preparation_steps` records it: a
-    step already done (or a PREPARED layer) is not run again; the last step
-    marks the layer PREPARED. ValueError for an unknown step; RuntimeError
-    when the step before ``name`` is not done: nothing runs then (the first
-    step runs from the load layout, each other one after its predecessor).
-    Holds the layer's lock."""
-    names = [n for n, _ in steps]
-    if name not in names:
-        raise ValueError(f"unknown preparation step {name!r}; the steps are {names}")
-    index = names.index(name)
-    device = layer.w13_weight.device
-    with state.lock:
-        after = names[index - 1] if index > 0 else None
-        if (
-            after is not None
-            and state.status is not PrepStatus.PREPARED
-            and (state.status is not PrepStatus.PREPARING or after not in state.done)
-        ):
-            raise RuntimeError(
-                f"preparation step {name!r} runs after {after!r}, which is not "
-                f"done (status {state.status.value}, done: {state.done}); the "
-                f"steps, in order: {names}"
-            )
-        if not _enter(layer, state, moe, steps, restore, device):
-            return
-        if name not in state.done:
-            steps[index][1]()
-            state.mark_done(name, device)
-        _finish_if_last(layer, state, steps)
-
-
-def finish_started_step(
-    layer: torch.nn.Module,
-    state: MoEWeightPrepState,
-    steps: list[PrepStep],
-    device: torch.device,
+def _finish_started_step(
+    layer: torch.nn.Module, state: MoEWeightPrepState, weights: WeightLayout
 ) -> None:
     """Finish the step of an interrupted preparation that had started (its
     cap was accepted), recorded; a step never started is not run."""
-    for name, step in steps:
+    # Read once: nothing (not even a tensor attribute, a torch call that an
+    # interrupt may hit) stands between a step's last write and its record.
+    device = layer.w13_weight.device
+    for name, step in weights.preparation_steps(layer, state):
         if name not in state.done:
             if state.started(name):
                 step()
@@ -270,18 +248,15 @@ def reset_load_layout(
 
 
 def restore_load_layout(
-    weights: WeightLayout,
-    layer: torch.nn.Module,
-    state: MoEWeightPrepState,
-    finish: Callable[[], None],
+    weights: WeightLayout, layer: torch.nn.Module, state: MoEWeightPrepState
 ) -> None:
     """Return ``layer``, from any state, to the layout its weight loader
     writes: exactly (``weights.restore_load_layout``, the inverse of each
-    step done; ``finish`` completes an interrupted preparation where the
-    layout needs it) or, where the bytes cannot be trusted (parameters
-    modified, replaced or converted since the preparation) or the exact
-    restore fails, :func:`reset_load_layout` (torn). Holds the layer's
-    lock."""
+    step done, once the step of an interrupted preparation in flight is
+    finished, or the whole preparation where the layout needs it) or,
+    where the bytes cannot be trusted (parameters modified, replaced or
+    converted since the preparation) or the exact restore fails,
+    :func:`reset_load_layout` (torn). Holds the layer's lock."""
     with state.lock:
         if state.status is PrepStatus.LOADING:
             if not load_layout_ok(layer, weights.moe_config):
@@ -298,7 +273,12 @@ def restore_load_layout(
             reset_load_layout(weights, layer, state, why)
             return
         try:
-            weights.restore_load_layout(layer, finish)
+            if state.status is PrepStatus.PREPARING:
+                if weights.restore_completes_preparation:
+                    run_preparation_steps(layer, state, weights)
+                else:
+                    _finish_started_step(layer, state, weights)
+            weights.restore_load_layout(layer, state)
         except Exception as err:  # noqa: BLE001 - the layer is reset, torn
             logger.warning(
                 "restoring the MoE layer's load layout failed (%s); the "

@@ -50,7 +50,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     restore_load_layout,
-    run_preparation_step,
     run_preparation_steps,
 )
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
@@ -303,51 +302,51 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         return self.global_scale_mode
 
     # -- weight preparation ---------------------------------------------------
-    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
-        """The preparation of ``layer`` as named steps, in the order they run
-        (the layout's own functions, unrecorded: run them through
-        :meth:`run_preparation_step`, or all through
-        :meth:`run_preparation`)."""
-        return self.weights.preparation_steps(layer)
-
-    def _run(self, layer: torch.nn.Module, run, *args) -> None:
-        state = get_prep_state(layer)
-        # A parameter's own weight_loader (vLLM's writes param.data, which
-        # the version-counter guard cannot see) records writes into a layer
-        # that is no longer in the load layout.
-        guard_weight_loaders(layer)
-        with state.lock:
-            run(
-                layer,
-                state,
-                self.moe_config,
-                self.preparation_steps(layer),
-                lambda: self.restore_load_layout(layer),
-                *args,
-            )
-            if state.status is PrepStatus.PREPARED:
-                self.bind_prepared(layer)
-
-    def run_preparation(self, layer: torch.nn.Module) -> None:
-        """Run the preparation steps not yet done, in order (a resume after an
-        exception); binds the kernel's views once the layer is prepared.
-        Holds the layer's lock."""
-        self._run(layer, run_preparation_steps)
-
-    def run_preparation_step(self, layer: torch.nn.Module, name: str) -> None:
-        """Run the one step ``name`` of :meth:`preparation_steps`, recorded;
-        RuntimeError when the step before it is not done (nothing runs then),
-        ValueError for an unknown name; a step done is not run again. The
-        last step binds the kernel's views. Holds the layer's lock."""
-        self._run(layer, run_preparation_step, name)
-
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Prepare ``layer``'s NVFP4 parameters for b12x in place (see the
         class doc). Parameters keep their identity; a swizzled scale whose
         storage had no room for its padding becomes a new padded tensor.
         Skips the reorder when the loader already placed w13 as [w3; w1]
         (``layer.w13_loaded_as_w3w1``)."""
-        self.run_preparation(layer)
+        self._prepare(layer)
+
+    def _prepare(self, layer: torch.nn.Module, step: str | None = None) -> None:
+        """The preparation, in order (``step``: that step only):
+
+        1. the layer's record (``weight_prep_state``);
+        2. its parameters' own ``weight_loader`` guarded (vLLM's writes
+           ``param.data``, which the version-counter guard cannot see): a
+           write into a layer no longer in the load layout is recorded;
+        3. the layout's steps not yet done, each recorded
+           (``weight_prep_steps``; a RESTORING layer is restored first);
+        4. once PREPARED, the kernel's views bound.
+        """
+        state = get_prep_state(layer)
+        guard_weight_loaders(layer)
+        with state.lock:
+            run_preparation_steps(layer, state, self.weights, step)
+            if state.status is PrepStatus.PREPARED:
+                self._bind(layer, state)
+
+    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
+        """The preparation of ``layer`` as named steps, in the order they run
+        (the layout's own functions, unrecorded: run them through
+        :meth:`run_preparation_step`, or all through
+        :meth:`run_preparation`)."""
+        return self.weights.preparation_steps(layer, get_prep_state(layer))
+
+    def run_preparation(self, layer: torch.nn.Module) -> None:
+        """Run the preparation steps not yet done, in order (a resume after an
+        exception); binds the kernel's views once the layer is prepared.
+        Holds the layer's lock."""
+        self._prepare(layer)
+
+    def run_preparation_step(self, layer: torch.nn.Module, name: str) -> None:
+        """Run the one step ``name`` of :meth:`preparation_steps`, recorded;
+        RuntimeError when the step before it is not done (nothing runs then),
+        ValueError for an unknown name; a step done is not run again. The
+        last step binds the kernel's views. Holds the layer's lock."""
+        self._prepare(layer, name)
 
     def bind_prepared(self, layer: torch.nn.Module, previous: Any = None) -> None:
         """Make the kernel's views of a prepared layer's parameters (no copy
@@ -357,22 +356,26 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         ``previous`` (default: the binding these experts had), where shapes
         match, so that every address a captured CUDA graph holds stays
         valid (a reload builds new experts: it passes the old binding)."""
+        self._bind(layer, get_prep_state(layer), previous)
+
+    def _bind(self, layer: torch.nn.Module, state: Any, previous: Any = None) -> None:
+        """:meth:`bind_prepared` with the layer's ``weight_prep_state``."""
         if previous is None:
             previous = self.prepared
         self._flashinfer_packed = None
         weights = self.weights
         if self.weight_only:
             assert isinstance(weights, B12xW4A16Weights)  # as __init__ made it
-            self.prepared = _refill(previous, weights.bind(layer), layer)
+            self.prepared = _refill(previous, weights.bind(layer, state), layer)
         else:
             assert isinstance(weights, B12xW4A4Weights)  # as __init__ made it
             alpha = self.effective_global_scale_mode == "alpha"
-            tensors = weights.bind(layer, alpha, self.quant_config)
+            tensors = weights.bind(layer, state, alpha, self.quant_config)
             tensors = _refill(previous, tensors, layer)
             self.prepared = tensors
             self.w1_sf_mma, self.w2_sf_mma = tensors.w1_sf_mma, tensors.w2_sf_mma
             self._fc2_input_scale = tensors.fc2_input_scale
-        self._guard = (get_prep_state(layer), layer)
+        self._guard = (state, layer)
 
     def drop_prepared(self) -> None:
         """Forget the kernel's views: ``apply`` refuses until the layer is
@@ -403,9 +406,7 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         state = get_prep_state(layer)
         with state.lock:
             self.drop_prepared()
-            restore_load_layout(
-                self.weights, layer, state, lambda: self.run_preparation(layer)
-            )
+            restore_load_layout(self.weights, layer, state)
 
     # -- copies (copy.deepcopy, pickle, torch.save) --------------------------
     def __getstate__(self) -> dict[str, Any]:

@@ -38,13 +38,12 @@ from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
     B12X_ACTIVATIONS,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    MoEWeightPrepState,
     PrepStatus,
-    get_prep_state,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
-    reorder_w13_halves,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
@@ -101,6 +100,9 @@ class B12xW4A16Weights:
 
     #: The block scales are rewritten in their own storage, never padded.
     swizzles_block_scales = False
+    #: The inverse unpacks whole parameters: an interrupted preparation is
+    #: completed first.
+    restore_completes_preparation = True
 
     def __init__(self, moe: FusedMoEConfig, max_transient_bytes: int):
         self.moe_config = moe
@@ -113,11 +115,13 @@ class B12xW4A16Weights:
             return moe.intermediate_size_per_partition
         return 0
 
-    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
+    def preparation_steps(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> list[PrepStep]:
         """``validate``, ``halves``, ``exponents``, ``w13``, ``w2``,
-        ``finalize`` (see module doc)."""
+        ``finalize`` (see module doc; ``state``: the layer's
+        ``weight_prep_state``)."""
         cap = self.max_transient_bytes
-        state = get_prep_state(layer)
         first_expert = getattr(layer, "_first_expert", 0)
 
         @torch.no_grad()
@@ -138,7 +142,13 @@ class B12xW4A16Weights:
                 return
             # [w3; w1] -> [w1; w3] by the half swap; the loader then writes
             # w1 first, and the [E, 2] global scales follow their rows.
-            reorder_w13_halves(
+            # Imported when the step runs: flashinfer_fp4_moe imports the
+            # NVFP4 oracle, which imports the experts that import this layout.
+            from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (  # noqa: E501
+                reorder_w1w3_to_w3w1,
+            )
+
+            reorder_w1w3_to_w3w1(
                 layer.w13_weight,
                 layer.w13_weight_scale,
                 dim=-2,
@@ -191,11 +201,14 @@ class B12xW4A16Weights:
             ("finalize", finalize),
         ]
 
-    def bind(self, layer: torch.nn.Module) -> W4A16PackedWeights:
+    def bind(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> W4A16PackedWeights:
         """The kernel's views of a prepared layer (no copy of a weight) and
-        its per-expert global scales (new [E] float32 tensors)."""
+        its per-expert global scales (new [E] float32 tensors); ``state``:
+        the layer's ``weight_prep_state``."""
         moe = self.moe_config
-        v = get_prep_state(layer).values["w4a16"]
+        v = state.values["w4a16"]
         e, h = moe.num_local_experts, moe.hidden_dim
         inter, rows = moe.intermediate_size_per_partition, w13_rows(moe)
         s13 = layer.w13_weight_scale_2.detach().float().reshape(e, -1)  # [E, G]
@@ -223,19 +236,18 @@ class B12xW4A16Weights:
             is_gated=moe.is_act_and_mul,
         )
 
-    def restore_load_layout(self, layer: torch.nn.Module, finish) -> None:
-        """Return a prepared (or partly prepared) layer to the layout the
-        loader writes, in place and within the cap (a reload): codes and
-        scales un-packed (rotation undone: a [w3; w1] layer is [w3; w1]
-        again), exactly the loaded bytes except block scales the packing
-        flushed, which come back 0 (the kernel read them as 0). An
-        interrupted preparation is completed first (``finish``). Resumable."""
-        state = get_prep_state(layer)
+    def restore_load_layout(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> None:
+        """Return a prepared layer to the layout the loader writes, in place
+        and within the cap (a reload): codes and scales un-packed (rotation
+        undone: a [w3; w1] layer is [w3; w1] again), exactly the loaded bytes
+        except block scales the packing flushed, which come back 0 (the
+        kernel read them as 0). The runner has completed an interrupted
+        preparation (:attr:`restore_completes_preparation`). Resumable."""
         with state.lock:
             if state.status is PrepStatus.LOADING:
                 return
-            if state.status is PrepStatus.PREPARING:
-                finish()
             if state.status is PrepStatus.PREPARED:
                 state.begin(PrepStatus.RESTORING)
             cap = self.max_transient_bytes

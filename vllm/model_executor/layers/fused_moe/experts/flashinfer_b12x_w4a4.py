@@ -50,8 +50,6 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     check_global_scales,
-    finish_started_step,
-    reorder_w13_halves,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
@@ -118,6 +116,9 @@ class B12xW4A4Weights:
     #: The preparation swizzles the block scales: parameters made with room
     #: for the padded result are swizzled in place.
     swizzles_block_scales = True
+    #: The inverse runs from any step: of an interrupted preparation only the
+    #: step in flight is finished first.
+    restore_completes_preparation = False
 
     def __init__(
         self,
@@ -137,12 +138,14 @@ class B12xW4A4Weights:
         inter = moe.intermediate_size_per_partition
         return moe.num_local_experts, moe.hidden_dim, inter // 16
 
-    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
-        """``validate``, ``fold``, ``reorder``, ``swizzle``, ``finalize``."""
+    def preparation_steps(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> list[PrepStep]:
+        """``validate``, ``fold``, ``reorder``, ``swizzle``, ``finalize``
+        (``state``: the layer's ``weight_prep_state``)."""
         cap = self.max_transient_bytes
         moe = self.moe_config
         e = moe.num_local_experts
-        state = get_prep_state(layer)
         first_expert = getattr(layer, "_first_expert", 0)
 
         @torch.no_grad()
@@ -177,7 +180,7 @@ class B12xW4A4Weights:
         def reorder() -> None:
             # [w1; w3] -> [w3; w1] on the weight and the linear scales.
             if moe.is_act_and_mul and not getattr(layer, "w13_loaded_as_w3w1", False):
-                reorder_w13_halves(
+                _reorder_w13_halves(
                     layer.w13_weight,
                     layer.w13_weight_scale,
                     dim=-2,
@@ -217,17 +220,15 @@ class B12xW4A4Weights:
             ("finalize", finalize),
         ]
 
-    def restore_load_layout(self, layer: torch.nn.Module, finish) -> None:
+    def restore_load_layout(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> None:
         """The exact inverse of the steps done (see module doc), in place and
-        within the cap; resumable. Of an interrupted preparation only the
-        step in flight is finished (its cap was accepted): ``finish`` (the
-        whole preparation, which the W4A16 layout needs) is not called."""
-        state = get_prep_state(layer)
+        within the cap; resumable. The runner has finished the step of an
+        interrupted preparation in flight (its cap was accepted)."""
         # Read once: nothing (not even a tensor attribute, a torch call that an
         # interrupt may hit) stands between a step's last write and its record.
         device = layer.w13_weight.device
-        if state.status is PrepStatus.PREPARING:
-            finish_started_step(layer, state, self.preparation_steps(layer), device)
         if state.status in (PrepStatus.PREPARING, PrepStatus.PREPARED):
             undo = list(state.done)
             state.begin(PrepStatus.RESTORING)
@@ -256,7 +257,7 @@ class B12xW4A4Weights:
             ):
                 # Back to the [w1; w3] the layer was loaded with: a loader
                 # copying checkpoint-layout tensors finds them where it wrote.
-                reorder_w13_halves(
+                _reorder_w13_halves(
                     layer.w13_weight,
                     layer.w13_weight_scale,
                     dim=-2,
@@ -274,6 +275,15 @@ class B12xW4A4Weights:
 
     def alphas(
         self, layer: torch.nn.Module, fc2_input_scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`alphas_of` with the layer's ``weight_prep_state``."""
+        return self.alphas_of(layer, get_prep_state(layer), fc2_input_scale)
+
+    def alphas_of(
+        self,
+        layer: torch.nn.Module,
+        state: MoEWeightPrepState,
+        fc2_input_scale: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel's per-expert ``(w1_alpha, w2_alpha)``, each [E] float32,
         new tensors (tiny) from the prepared layer's global scales.
@@ -293,7 +303,7 @@ class B12xW4A4Weights:
         else:
             # The [E, 2] columns stay in the order the layer was loaded in
             # (column g = row group g at load): [w3, w1] when w3 was first.
-            up_col = 0 if get_prep_state(layer).load_w3w1 else 1
+            up_col = 0 if state.load_w3w1 else 1
             s_up, s_gate = s13[:, up_col], s13[:, 1 - up_col]
             w1_alpha = s_gate.contiguous()
             w2_alpha = s2 * (s_up / s_gate)  # x / x is exactly 1
@@ -344,16 +354,19 @@ class B12xW4A4Weights:
     def bind(
         self,
         layer: torch.nn.Module,
+        state: MoEWeightPrepState,
         alpha_mode: bool,
         quant_config: FusedMoEQuantConfig | None = None,
     ) -> B12xW4A4Tensors:
         """The kernel's views of a prepared layer (no copy of a weight), with
-        the activation scales of ``quant_config`` (see :meth:`input_scales`)."""
+        the activation scales of ``quant_config`` (see :meth:`input_scales`);
+        ``state``: the layer's ``weight_prep_state``."""
         moe = self.moe_config
         e, h, rows = moe.num_local_experts, moe.hidden_dim, w13_rows(moe)
         inter = moe.intermediate_size_per_partition
         fc1_scale, fc2_scale = self.input_scales(layer, quant_config, alpha_mode)
-        w1_alpha, w2_alpha = self.alphas(layer, fc2_scale if alpha_mode else None)
+        fc2 = fc2_scale if alpha_mode else None
+        w1_alpha, w2_alpha = self.alphas_of(layer, state, fc2)
         return B12xW4A4Tensors(
             w1_sf_mma=blockscale_mma_layout_view(layer.w13_weight_scale, rows, h, e),
             w2_sf_mma=blockscale_mma_layout_view(layer.w2_weight_scale, h, inter, e),
@@ -362,6 +375,18 @@ class B12xW4A4Weights:
             fc1_input_scale=fc1_scale,
             fc2_input_scale=fc2_scale,
         )
+
+
+def _reorder_w13_halves(*tensors: torch.Tensor, **kwargs) -> None:
+    """``reorder_w1w3_to_w3w1`` (``flashinfer_fp4_moe``): swaps the two row
+    halves of w13 in place, in bounded memory."""
+    # Imported when a step runs: flashinfer_fp4_moe imports the NVFP4
+    # oracle, which imports the experts that import this layout.
+    from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
+        reorder_w1w3_to_w3w1,
+    )
+
+    reorder_w1w3_to_w3w1(*tensors, **kwargs)
 
 
 def fold_to(
