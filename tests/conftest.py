@@ -19,6 +19,8 @@ default).
 
 import os
 
+import pytest
+
 _THREADS = int(os.environ.get("VLLM_TEST_TORCH_THREADS", "1"))
 
 if _THREADS:
@@ -32,3 +34,15 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(_THREADS)
+
+
+@pytest.fixture
+def two_threads():
+    """Torch on two intra-op threads for one test, then the session's count
+    again: for tests that check a setting is changed and restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -3,21 +3,12 @@
 """``vllm bench moe-weight-prep`` prepares under the commands' policy
 (``vllm.entrypoints.process_policy``): one intra-op thread on CPU."""
 
-import pytest
 import torch
 
 from vllm.benchmarks.moe_weight_prep import w4a4_layers
 from vllm.benchmarks.moe_weight_prep.presets import MoEModelPreset
 from vllm.benchmarks.moe_weight_prep.shard import RankShard
 from vllm.benchmarks.moe_weight_prep.synthetic_weights import synthetic_layer_tensors
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_the_benchmark_prepares_on_one_thread(two_threads, monkeypatch):

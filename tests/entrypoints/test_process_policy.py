@@ -21,14 +21,6 @@ from vllm.entrypoints.process_policy import (
 )
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize(
     "device, threads, inside",
     [("cpu", PREP_CPU_THREADS, 1), ("cpu", 0, 2), ("cpu", 3, 3), ("meta", 1, 2)],

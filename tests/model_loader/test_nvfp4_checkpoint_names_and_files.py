@@ -74,6 +74,12 @@ def _renamed(source_dir, old, new):
     return {name.replace(old, new): t for name, t in tensors.items()}
 
 
+def _refused(ckpt_dir, match):
+    """Opening ``ckpt_dir`` raises a ValueError matching ``match``."""
+    with pytest.raises(ValueError, match=match):
+        NVFP4MoECheckpoint(ckpt_dir)
+
+
 # --- item 1: names keyed on the full module ---------------------------------------
 
 
@@ -118,12 +124,11 @@ def test_non_canonical_expert_index_is_refused(tmp_path):
     name = "model.layers.0.mlp.experts.1.gate_proj.weight"
     bad = name.replace("experts.1.", "experts.01.")
     _add_shard(ckpt_dir, {bad: torch.zeros(I, H // 2, dtype=torch.uint8)}, "x.st")
-    with pytest.raises(
-        ValueError,
-        match=rf"{bad} \(in x\.st\) has the "
+    _refused(
+        ckpt_dir,
+        rf"{bad} \(in x\.st\) has the "
         r"non-canonical index '01' \(write 1\)",
-    ):
-        NVFP4MoECheckpoint(ckpt_dir)
+    )
 
 
 def test_non_canonical_layer_index_is_refused(tmp_path):
@@ -131,8 +136,7 @@ def test_non_canonical_layer_index_is_refused(tmp_path):
     _add_shard(
         ckpt_dir, _renamed(ckpt_dir, "model.layers.1.", "model.layers.001."), "x.st"
     )
-    with pytest.raises(ValueError, match="non-canonical index '001'"):
-        NVFP4MoECheckpoint(ckpt_dir)
+    _refused(ckpt_dir, "non-canonical index '001'")
 
 
 def test_a_second_tensor_for_the_same_expert_names_both(tmp_path):
@@ -176,23 +180,21 @@ def test_one_layer_with_experts_under_two_modules_is_refused(tmp_path):
     }
     (ckpt_dir / "model.safetensors.index.json").write_text(json.dumps(data))
     _add_shard(ckpt_dir, moved, "moved.st")
-    with pytest.raises(
-        ValueError,
-        match=r"decoder layer 0 has routed experts "
+    _refused(
+        ckpt_dir,
+        r"decoder layer 0 has routed experts "
         r"under 2 modules \(model\.layers\.0\.mlp, "
         r"backbone\.layers\.0\.mixer\)",
-    ):
-        NVFP4MoECheckpoint(ckpt_dir)
+    )
 
 
 def test_experts_only_outside_the_decoder_layers(tmp_path):
     ckpt_dir = _write(tmp_path / "ckpt", layers=(0,), prefix="mtp.layers")
-    with pytest.raises(
-        ValueError,
-        match=r"no routed-expert tensors in decoder "
+    _refused(
+        ckpt_dir,
+        r"no routed-expert tensors in decoder "
         r"layers \(only in \['mtp\.layers\.0\.mlp'\]\)",
-    ):
-        NVFP4MoECheckpoint(ckpt_dir)
+    )
 
 
 # --- config values ------------------------------------------------------------------
@@ -237,8 +239,7 @@ def test_shard_next_to_the_directory_with_its_name_as_prefix_is_outside(tmp_path
     outside = tmp_path / "ckpt_outside.safetensors"
     (ckpt_dir / SHARD).rename(outside)
     (ckpt_dir / SHARD).symlink_to(outside)
-    with pytest.raises(ValueError, match="outside the checkpoint directory"):
-        NVFP4MoECheckpoint(ckpt_dir)
+    _refused(ckpt_dir, "outside the checkpoint directory")
 
 
 def test_symlink_inside_the_directory_is_followed(tmp_path):

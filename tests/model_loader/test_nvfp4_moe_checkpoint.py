@@ -201,29 +201,24 @@ def _transformers_experts(gated):
     pytest.importorskip("transformers")
     if gated:
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import (
-            Qwen3_5MoeTextConfig,
+            Qwen3_5MoeTextConfig as Config,
         )
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
-            Qwen3_5MoeExperts,
+            Qwen3_5MoeExperts as Experts,
         )
 
-        cfg = Qwen3_5MoeTextConfig(
-            hidden_size=H,
-            moe_intermediate_size=I,
-            num_experts=E,
-            num_experts_per_tok=TOPK,
+        experts = {"num_experts": E}
+    else:
+        from transformers import NemotronHConfig as Config
+        from transformers.models.nemotron_h.modeling_nemotron_h import (
+            NemotronHExperts as Experts,
         )
-        return cfg, Qwen3_5MoeExperts(cfg)
-    from transformers import NemotronHConfig
-    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
-    cfg = NemotronHConfig(
-        hidden_size=H,
-        moe_intermediate_size=I,
-        n_routed_experts=E,
-        num_experts_per_tok=TOPK,
+        experts = {"n_routed_experts": E}
+    cfg = Config(
+        hidden_size=H, moe_intermediate_size=I, num_experts_per_tok=TOPK, **experts
     )
-    return cfg, NemotronHExperts(cfg)
+    return cfg, Experts(cfg)
 
 
 @pytest.mark.parametrize("fmt", [MODELOPT, COMPRESSED_TENSORS])

@@ -44,6 +44,18 @@ def _manifest(path, tests) -> None:
     )
 
 
+def _apply(tmp_path, manifest) -> None:
+    """The branch applied as source onto ``tmp_path/tree``, from
+    ``tmp_path/repo``, by the manifest file ``manifest``."""
+    apply_branch(
+        tmp_path / "tree",
+        "1.0.0",
+        repo=tmp_path / "repo",
+        manifest=load_manifest(manifest),
+        source=True,
+    )
+
+
 @pytest.mark.parametrize(
     "tests",
     [
@@ -62,13 +74,7 @@ def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
     (tmp_path / "repo/tests/test_op.py").write_text(UPSTREAM)
     m = tmp_path / "m.toml"
     _manifest(m, tests)
-    apply_branch(
-        tmp_path / "tree",
-        "1.0.0",
-        repo=tmp_path / "repo",
-        manifest=load_manifest(m),
-        source=True,
-    )
+    _apply(tmp_path, m)
     text = (tmp_path / "tree/tests/test_op.py").read_text()
     assert "current_platform" not in text and "__main__" not in text
     # the two import blocks are one now, as ruff's isort orders it
@@ -80,10 +86,4 @@ def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
     )
     _manifest(m, ["not current_platform.is_sm121()"])
     with pytest.raises(ToolError, match="matches 0 places"):
-        apply_branch(
-            tmp_path / "tree",
-            "1.0.0",
-            repo=tmp_path / "repo",
-            manifest=load_manifest(m),
-            source=True,
-        )
+        _apply(tmp_path, m)

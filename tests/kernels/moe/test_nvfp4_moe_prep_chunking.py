@@ -222,14 +222,6 @@ class RecordThreads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_preparation_leaves_the_thread_setting_alone(two_threads):
     # The intra-op thread count is the process's: a command that prepares
     # weights sets it (vllm.entrypoints.process_policy), the layer does not.

@@ -16,7 +16,7 @@ import vllm.model_executor.layers.fused_moe.weight_prep_guard as guard
 from tests.kernels.moe.test_nvfp4_moe_prep_guard import QUANT_MODES, UNPADDED, _fresh
 from tests.kernels.moe.test_nvfp4_moe_prep_guard_loaders import (
     _load_through_param_loaders,
-    _vllm_style_loader,
+    _with_vllm_style_loaders,
 )
 from tests.kernels.moe.test_nvfp4_moe_prep_state import (
     SHAPES,
@@ -202,9 +202,7 @@ def test_verify_mode_sees_a_data_copy_then_a_reload_repairs(monkeypatch):
 def test_a_param_weight_loader_write_is_refused_at_the_write():
     shape = UNPADDED
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
-    layer = _layer(shape, old)
-    for p in layer.parameters():
-        p.weight_loader = _vllm_style_loader(layer)
+    layer = _with_vllm_style_loaders(_layer(shape, old))
     _prepare(layer)
     captured = _capture(layer)
     x, logits = _io(shape)

@@ -62,7 +62,12 @@ class _VllmStyleLoader:
         return True if return_success else None
 
 
-_vllm_style_loader = _VllmStyleLoader
+def _with_vllm_style_loaders(layer):
+    """``layer``, with a :class:`_VllmStyleLoader` as each parameter's
+    ``weight_loader``."""
+    for p in layer.parameters():
+        p.weight_loader = _VllmStyleLoader(layer)
+    return layer
 
 
 def _load_through_param_loaders(layer, tensors):
@@ -88,9 +93,7 @@ def test_a_param_weight_loader_write_leaves_a_trace_the_counter_misses():
     # vLLM's own loaders (the fork: RoutedExperts' params) write param.data;
     # the version counters cannot see it, so the experts guard the loaders.
     shape = UNPADDED
-    layer = _layer(shape, _tensors(*shape, seed=1))
-    for p in layer.parameters():
-        p.weight_loader = _vllm_style_loader(layer)
+    layer = _with_vllm_style_loaders(_layer(shape, _tensors(*shape, seed=1)))
     _prepare(layer)
     version, i = layer.w13_weight._version, shape[2]
     part = _tensors(*shape, seed=2)["w13_weight"][0, :i]
@@ -108,9 +111,7 @@ def test_a_param_weight_loader_writing_between_steps_is_refused(how):
     # of layouts, so it is refused at the write, and after it until the
     # restore tears the layer; a copy of the layer remembers the write.
     shape = UNPADDED
-    layer = _layer(shape, _tensors(*shape, seed=1))
-    for p in layer.parameters():
-        p.weight_loader = _vllm_style_loader(layer)
+    layer = _with_vllm_style_loaders(_layer(shape, _tensors(*shape, seed=1)))
     for _, step in layer.quant_method.preparation_steps(layer)[:3]:
         step()
     assert layer.weight_prep_state.status is PrepStatus.PREPARING
@@ -129,9 +130,7 @@ def test_a_param_weight_loader_writing_between_steps_is_refused(how):
 def test_restore_then_param_weight_loaders_equal_a_fresh_layer():
     shape = UNPADDED
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
-    layer = _layer(shape, old)
-    for p in layer.parameters():
-        p.weight_loader = _vllm_style_loader(layer)
+    layer = _with_vllm_style_loaders(_layer(shape, old))
     _prepare(layer)
     layer.quant_method.restore_load_layout(layer)  # before loading: exact
     _load_through_param_loaders(layer, new)
@@ -148,9 +147,7 @@ def test_a_saved_layers_param_weight_loaders_guard_the_copy():
     # copy, and the original, untouched, still runs.
     shape = UNPADDED
     old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
-    layer = _layer(shape, old)
-    for p in layer.parameters():
-        p.weight_loader = _vllm_style_loader(layer)
+    layer = _with_vllm_style_loaders(_layer(shape, old))
     _prepare(layer)
     x, logits = _io(shape)
     want = layer(x, logits)
