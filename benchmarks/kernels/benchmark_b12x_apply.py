@@ -58,11 +58,14 @@ TOKENS = (1, 64)
 def flashinfer_launch_stubbed() -> Iterator[None]:
     """FlashInfer 0.7.4's SM12x MoE dispatch runnable on CPU up to the kernel
     launch: CUDA version and device properties answered, the kernel
-    getters and launches (W4A4's, W4A16's ``run_w4a16_moe``) no-ops, and
+    getters and launches (W4A4's, W4A16's ``run_w4a16_moe``) no-ops, the
+    platform's SM count answered as on CUDA, and
     ``B12xMoEWrapper`` made on the CPU (upstream's experts name no device)."""
     import flashinfer.jit.cpp_ext as cpp_ext
     import torch
     from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch as md
+
+    from vllm.platforms import current_platform
 
     props = types.SimpleNamespace(
         multi_processor_count=48, major=12, minor=0, name="sm120", total_memory=16 << 30
@@ -87,6 +90,15 @@ def flashinfer_launch_stubbed() -> Iterator[None]:
         )
         patch(
             mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False)
+        )
+        # The SM count as vLLM's CUDA platform answers it (the CPU platform
+        # has none): the W4A16 call sizes FlashInfer's workspace by it.
+        patch(
+            mock.patch.object(
+                current_platform,
+                "num_compute_units",
+                lambda device_id=0: props.multi_processor_count,
+            )
         )
         for getter in (
             "_get_static_kernel",
