@@ -168,3 +168,22 @@ def test_metadata_rewrite_keeps_everything_else():
     assert new == expected.replace("Version: 0.34.0", "Version: 0.34.0+nvfp4moe")
     with pytest.raises(ToolError, match="no Requires-Dist on torch"):
         rewrite_metadata(text, "1", {"torch": "torch==2"})
+
+
+def test_the_command_builds_every_release_of_the_manifest_by_default(
+    tmp_path, monkeypatch, capsys
+):
+    built = []
+
+    def fake_build(manifest, version, out, work, wheel):
+        built.append(version)
+        path = tmp_path / f"{version}.whl"
+        path.write_bytes(b"x")
+        return path
+
+    monkeypatch.setattr(build_fork_wheel, "build_release", fake_build)
+    assert main(["--out", str(tmp_path / "dist"), "--work", str(tmp_path)]) == 0
+    assert built == ["0.34.0", "0.33.0"]
+    built.clear()
+    assert main(["--release", "0.33.0", "--out", str(tmp_path / "d")]) == 0
+    assert built == ["0.33.0"]
