@@ -4,6 +4,8 @@
 ModelOpt W4A16 layer on the emulated b12x backend, checkpoint tensors and the
 reference's packed bytes of them."""
 
+import dataclasses
+
 import torch
 
 from tests.kernels.moe.utils import (
@@ -12,6 +14,9 @@ from tests.kernels.moe.utils import (
 )
 from tests.kernels.utils import bytes_of
 from tests.model_loader.nvfp4_ckpt_utils import make_layer
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
+    W4A16PackedWeights,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     w4a16_global_scale,
     w4a16_pack_blockscale,
@@ -38,14 +43,12 @@ __all__ = [
 
 BACKEND = "flashinfer_b12x_emulated"
 MiB = 1 << 20
-#: What the W4A16 kernel reads of a prepared layer (``experts.prepared``).
-PACKED_FIELDS = (
-    "w13",
-    "w13_scale",
-    "w13_global_scale",
-    "w2",
-    "w2_scale",
-    "w2_global_scale",
+#: What the W4A16 kernel reads of a prepared layer: the tensors of
+#: ``experts.prepared``.
+PACKED_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(W4A16PackedWeights)
+    if f.type in ("torch.Tensor", torch.Tensor)
 )
 
 

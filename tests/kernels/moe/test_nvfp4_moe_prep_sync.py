@@ -15,7 +15,7 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
 )
 from vllm.model_executor.layers.fused_moe import weight_prep_state
-from vllm.model_executor.layers.fused_moe.weight_prep_state import get_prep_state
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import get_prep_state
 
 E, H, I, TOPK = 4, 256, 128, 2  # noqa: E741
 STEPS = ["validate", "fold", "reorder", "swizzle", "finalize"]

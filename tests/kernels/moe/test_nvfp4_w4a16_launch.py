@@ -222,7 +222,8 @@ def test_apply_launches_with_the_layers_expert_map(monkeypatch):
     prepare(layer)
     experts = layer.quant_method.experts
     experts.__class__ = m.FlashInferB12xExperts  # the emulation's base
-    experts._flashinfer_packed = packed = object()  # FlashInfer's object
+    packed = object()  # FlashInfer's object, made of the binding
+    experts._flashinfer_packed = (experts.prepared, packed)
     calls = []
     dispatch = types.SimpleNamespace(launch_sm120_moe=lambda **kw: calls.append(kw))
     monkeypatch.setitem(

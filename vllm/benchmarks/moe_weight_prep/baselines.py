@@ -28,6 +28,7 @@ the source. Two baselines, both on the tensors as FlashInfer's API takes them
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import statistics
 import time
@@ -38,6 +39,9 @@ from unittest import mock
 import torch
 
 from vllm.entrypoints.process_policy import PREP_CPU_THREADS, preparing_weights
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
+    W4A16PackedWeights,
+)
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
 )
@@ -198,14 +202,12 @@ def legacy_preparation_steps(
 
 # --- W4A16: FlashInfer's preparation --------------------------------------------
 
-#: The six tensors of FlashInfer's ``W4A16PackedWeights`` compared here.
-PACKED_FIELDS = (
-    "w13",
-    "w13_scale",
-    "w13_global_scale",
-    "w2",
-    "w2_scale",
-    "w2_global_scale",
+#: The six tensors of FlashInfer's ``W4A16PackedWeights`` compared here:
+#: those of the experts' record of the same name.
+PACKED_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(W4A16PackedWeights)
+    if f.type in ("torch.Tensor", torch.Tensor)
 )
 #: SMs reported to FlashInfer on CPU (an RTX 5090's 170); it only sizes the
 #: workspace, 170 * 4 + 2 int32.

@@ -157,9 +157,7 @@ def _up_gate_ratio(layer, e: int) -> float:
     scales): the factor the kernel's FC2 alpha carries for FC1's up rows."""
     if not layer.moe_config.is_act_and_mul:
         return 1.0
-    from vllm.model_executor.layers.fused_moe.weight_prep_state import (
-        get_prep_state,
-    )
+    from vllm.model_executor.layers.fused_moe.weight_prep_guard import get_prep_state
 
     s2 = layer.w13_weight_scale_2[e].cpu()  # columns as loaded
     up = 0 if get_prep_state(layer).load_w3w1 else 1

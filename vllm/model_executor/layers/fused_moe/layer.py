@@ -29,11 +29,11 @@ from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     after_copy,
     copy_facts,
+    get_prep_state,
     note_converted,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
-    get_prep_state,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state_dict import (
     adopt_extra_state,

@@ -8,8 +8,8 @@ flag is set by :func:`record_prepared` (the end of a preparation, a copy, a
 prepared state dict) and cleared by every event that can change a prepared
 layer's weights, each of which refuses or repairs the layer there:
 
-* preparation and re-preparation: :func:`check_unchanged` refuses a layer
-  whose parameters moved since :func:`record_prepared`;
+* preparation and re-preparation (:func:`guarded_preparation`): a layer
+  whose parameters moved since :func:`record_prepared` is refused;
 * a guarded ``weight_loader`` (:func:`guard_weight_loaders`) writing into a
   layer that is not LOADING: refused at the write, with that message;
 * ``load_state_dict``: the layout is checked first, the bytes are copied in
@@ -31,9 +31,10 @@ weights through these events only.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -41,7 +42,10 @@ import vllm.envs as envs
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
     PrepStatus,
-    get_prep_state,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    has_storage_room,
+    record_storage_room,
 )
 
 __all__ = [
@@ -49,12 +53,49 @@ __all__ = [
     "changed_parameters",
     "check_unchanged",
     "copy_facts",
+    "get_prep_state",
     "guard_weight_loaders",
+    "guarded_preparation",
     "note_converted",
     "record_prepared",
     "unchanged_problem",
     "weight_checksum",
 ]
+
+
+def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
+    """``layer.weight_prep_state``, created (LOADING) on first use."""
+    state = getattr(layer, "weight_prep_state", None)
+    if state is None:
+        state = MoEWeightPrepState()
+        layer.weight_prep_state = state
+    return state
+
+
+@contextlib.contextmanager
+def guarded_preparation(layer: torch.nn.Module) -> Iterator[MoEWeightPrepState]:
+    """Hold ``layer``'s lock while it is prepared, and yield its record.
+
+    On entry: its parameters' ``weight_loader`` guarded
+    (:func:`guard_weight_loaders`), and a layer prepared before, or one a
+    loader wrote into since its preparation began, refused when its
+    parameters changed (:func:`check_unchanged`). When the block ends with
+    the layer PREPARED and not yet recorded: :func:`record_prepared` (the
+    experts' ``apply`` may then run unchecked). Not on an exception.
+    """
+    state = get_prep_state(layer)
+    guard_weight_loaders(layer)
+    with state.lock:
+        if state.status is PrepStatus.PREPARED or (
+            state.loader_writes and state.status is PrepStatus.PREPARING
+        ):
+            # A PREPARING one: resuming would run the remaining steps on a
+            # mix of layouts.
+            check_unchanged(state, layer)
+        yield state
+        if state.status is PrepStatus.PREPARED and not state.ready:
+            record_prepared(state, layer)
+
 
 # 2^16 - 15, the largest prime below 2^16: position weights of the checksum.
 _CHECKSUM_MOD = 65521
@@ -176,7 +217,7 @@ def copy_facts(state: MoEWeightPrepState, layer: torch.nn.Module) -> dict:
     storages have recorded room, and whether the prepared bytes are
     untouched (checked on the original, before it is copied)."""
     room = [
-        n for n in state.padded_storage if state.has_storage_room(n, getattr(layer, n))
+        n for n in state.padded_storage if has_storage_room(state, n, getattr(layer, n))
     ]
     clean = state.status is not PrepStatus.PREPARED or not changed_parameters(
         state, layer
@@ -188,7 +229,7 @@ def after_copy(state: MoEWeightPrepState, layer: torch.nn.Module, facts: dict) -
     """Re-key the records on the copy's own storages (see copy_facts)."""
     state.padded_storage = {}
     for n in facts["room"]:
-        state.record_storage_room(n, getattr(layer, n))
+        record_storage_room(state, n, getattr(layer, n))
     if state.status is PrepStatus.PREPARED:
         if facts["clean"]:
             record_prepared(state, layer)

@@ -32,7 +32,6 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 __all__ = [
     "MoEWeightPrepState",
     "PrepStatus",
-    "get_prep_state",
     "wait_for_step",
 ]
 
@@ -64,7 +63,8 @@ class MoEWeightPrepState:
         load_w3w1: w13 rows were [w3; w1] when the preparation began (the
             layout a restore returns to); None before any.
         padded_storage: scale name -> (storage data_ptr, nbytes) of a
-            storage with room for the padded scales; stale once replaced.
+            storage with room for the padded scales; stale once replaced
+            (``nvfp4_moe_load_layout.record_storage_room``).
         fingerprints, checksums: name -> fingerprint, and checksum
             (``VLLM_MOE_PREP_VERIFY=1`` only), when prepared.
         folds: block-scale name -> [E, G] float32 factor folded into its FP8
@@ -141,15 +141,6 @@ class MoEWeightPrepState:
             k.split(".")[0] == prefix and p.done > 0 for k, p in self.progress.items()
         )
 
-    def record_storage_room(self, name: str, t: torch.Tensor) -> None:
-        """Record that ``t``'s storage was made with room for padded scales."""
-        s = t.untyped_storage()
-        self.padded_storage[name] = (s.data_ptr(), s.nbytes())
-
-    def has_storage_room(self, name: str, t: torch.Tensor) -> bool:
-        s = t.untyped_storage()
-        return self.padded_storage.get(name) == (s.data_ptr(), s.nbytes())
-
     def mark_torn(self, slots: dict[str, tuple[int, int]], reason: str) -> None:
         """Every slot of ``slots`` (name -> (experts, row groups)) must be
         written again before the layer may be prepared."""
@@ -183,12 +174,3 @@ class MoEWeightPrepState:
             "complete reload through FusedMoE.weight_loader (or load_state_dict) "
             f"has written again: {'; '.join(missing)}"
         )
-
-
-def get_prep_state(layer: torch.nn.Module) -> MoEWeightPrepState:
-    """``layer.weight_prep_state``, created (LOADING) on first use."""
-    state = getattr(layer, "weight_prep_state", None)
-    if state is None:
-        state = MoEWeightPrepState()
-        layer.weight_prep_state = state
-    return state

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from vllm.model_executor.layers.fused_moe.weight_prep_guard import record_prepared
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
+    get_prep_state,
+    record_prepared,
+)
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
-    get_prep_state,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     nvfp4_moe_param_specs,

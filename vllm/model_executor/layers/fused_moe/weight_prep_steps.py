@@ -5,13 +5,15 @@ runner that records each step in the layer's
 :class:`~vllm.model_executor.layers.fused_moe.weight_prep_state.MoEWeightPrepState`,
 in an explicit order, and the way back to the load layout::
 
-    run_preparation_steps(layer, state, weights[, name])
-      1. a PREPARED layer: only checked (check_unchanged); done
-      2. RESTORING: restore_load_layout first (an interrupted restore)
-      3. LOADING: the layout's first step (it validates), then PREPARING
+    run_preparation_steps(layer, state, weights[, name])  (the guard around
+    it: weight_prep_guard.guarded_preparation)
+      1. a PREPARED layer: nothing to do
+      2. LOADING: its load layout checked; RESTORING: the restore finished
+         first (nvfp4_moe_load_layout.restore_or_reset)
+      3. not torn: the layout's first step (it validates), then PREPARING
       4. the layout's steps not yet done, in order (``name``: that step
          only, once its predecessor is done)
-      5. the last one done: PREPARED, recorded (record_prepared)
+      5. the last one done: PREPARED
 
     restore_load_layout(weights, layer, state):  exact (the layout's own
       inverse of each step done, after the step in flight is finished), or
@@ -23,118 +25,79 @@ Each layout keeps its steps beside their inverses
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     changed_parameters,
-    check_unchanged,
-    record_prepared,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
     PrepStatus,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    RestorableLayout,
     check_load_layout,
-    load_layout_data,
     load_layout_ok,
-    nvfp4_moe_param_specs,
-    reload_slots,
+    reset_load_layout,
+    restore_or_reset,
 )
-from vllm.model_executor.utils import replace_parameter
-
-logger = init_logger(__name__)
 
 __all__ = [
     "PrepStep",
     "WeightLayout",
-    "check_global_scales",
-    "reset_load_layout",
+    "refill_binding",
     "restore_load_layout",
     "run_preparation_steps",
 ]
+
+logger = init_logger(__name__)
 
 #: A named preparation step.
 PrepStep = tuple[str, Callable[[], None]]
 
 
-class WeightLayout(Protocol):
+class WeightLayout(RestorableLayout, Protocol):
     """What the runner needs of a layout (``B12xW4A4Weights``,
     ``B12xW4A16Weights``): its steps in order and its exact inverse.
     ``restore_completes_preparation``: the inverse needs an interrupted
     preparation completed first (else only the step in flight is finished)."""
 
-    moe_config: FusedMoEConfig
-    swizzles_block_scales: bool
     restore_completes_preparation: bool
 
     def preparation_steps(
         self, layer: torch.nn.Module, state: MoEWeightPrepState
     ) -> list[PrepStep]: ...
 
-    def restore_load_layout(
-        self, layer: torch.nn.Module, state: MoEWeightPrepState
-    ) -> None: ...
 
-
-# -- helpers the layouts' steps share ------------------------------------------
-def check_global_scales(
-    layer: torch.nn.Module,
-    first_expert: int,
-    suffixes: tuple[str, ...] = ("weight_scale_2",),
-) -> None:
-    """ValueError naming the parameter, expert and shard of a global scale
-    (``{w13,w2}_{suffix}`` for each of ``suffixes``) that is not finite and
-    positive (scales set in memory, not loaded)."""
-    first = "w3" if getattr(layer, "w13_loaded_as_w3w1", False) else "w1"
-    shards = {"w13": (first, "w1" if first == "w3" else "w3"), "w2": ("w2",)}
-    for prefix in ("w13", "w2"):
-        for suffix in suffixes:
-            name = f"{prefix}_{suffix}"
-            t = getattr(layer, name, None)
-            if t is None:
-                continue
-            values = t.detach().float().reshape(t.shape[0], -1)  # [E, G], tiny
-            bad = ~(torch.isfinite(values) & (values > 0))
-            if bool(bad.any()):
-                e, g = (int(i) for i in bad.nonzero()[0])
-                shard = shards[prefix][g] if values.shape[1] > 1 else prefix
-                raise ValueError(
-                    f"{name} of expert {first_expert + e} ({shard}) is "
-                    f"{values[e, g].item()}: global and input scales must be "
-                    "finite and positive"
-                )
+def refill_binding(old: Any, new: Any, layer: torch.nn.Module) -> Any:
+    """``new`` (a layout's binding: a dataclass of the kernel's views and the
+    tensors derived from the weights), with each derived tensor copied into
+    ``old``'s tensor of the same field, shape, dtype and device, so that the
+    addresses a captured CUDA graph holds stay valid; views of a parameter
+    are at their address already."""
+    if not dataclasses.is_dataclass(new) or isinstance(new, type):
+        return new  # not a binding (a dataclass instance)
+    if type(old) is not type(new):
+        return new
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
+    kept = {}
+    for f in dataclasses.fields(new):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            continue
+        if b.untyped_storage().data_ptr() in params:
+            continue
+        if (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device):
+            kept[f.name] = a.copy_(b)
+    return dataclasses.replace(new, **kept) if kept else new
 
 
 # -- the way there ---------------------------------------------------------------
-def _enter(layer, state, weights, steps, device) -> bool:
-    """Bring ``layer`` to where a step may run; False for a PREPARED layer
-    (only checked). From LOADING the first step (it validates) runs here,
-    while the layer is still LOADING, so a ValueError leaves it loadable
-    and untouched."""
-    if state.status is PrepStatus.PREPARED:
-        check_unchanged(state, layer)
-        return False
-    if state.loader_writes and state.status is PrepStatus.PREPARING:
-        # Resuming would run the remaining steps on a mix of layouts.
-        check_unchanged(state, layer)
-    if state.status is PrepStatus.RESTORING:
-        restore_load_layout(weights, layer, state)
-    if state.status is PrepStatus.LOADING:
-        state.check_not_torn()
-        check_load_layout(layer, weights.moe_config)
-        name, validate = steps[0]
-        validate()
-        state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
-        state.mark_done(name, device, begin=PrepStatus.PREPARING)
-    return True
-
-
 def _check_order(state, names: list[str], name: str) -> None:
     """ValueError for an unknown step; RuntimeError when the step before
     ``name`` is not done (the first step runs from the load layout, each
@@ -165,14 +128,15 @@ def run_preparation_steps(
     ``layer``, in order, each at most once per preparation: a call after an
     exception resumes where the last one stopped. Each step is recorded once
     the device finished it (``state.mark_done``); the last one marks the
-    layer PREPARED (``record_prepared``). A PREPARED layer is only checked
-    (``check_unchanged``); a RESTORING one is first brought back to the load
-    layout (:func:`restore_load_layout`).
+    layer PREPARED. A LOADING layer's load layout is checked first (a
+    ValueError leaves it loadable and untouched), a RESTORING one is first
+    brought back to it (``restore_or_reset``); a torn one is refused.
 
     ``name``: run that one step only (a benchmark times them one by one this
     way), recorded the same way; ValueError for an unknown step,
     RuntimeError when the step before it is not done (nothing runs then).
-    Holds the layer's lock."""
+    Holds the layer's lock; the guard around it:
+    ``weight_prep_guard.guarded_preparation``."""
     steps = weights.preparation_steps(layer, state)
     names = [n for n, _ in steps]
     # Read once: no torch call (a tensor attribute is one) between a step's
@@ -181,8 +145,20 @@ def run_preparation_steps(
     with state.lock:
         if name is not None:
             _check_order(state, names, name)
-        if not _enter(layer, state, weights, steps, device):
+        if state.status is PrepStatus.PREPARED:
             return
+        if state.status is PrepStatus.LOADING:
+            check_load_layout(layer, weights.moe_config)
+        elif state.status is PrepStatus.RESTORING:
+            restore_or_reset(weights, layer, state)
+        if state.status is PrepStatus.LOADING:
+            # The first step validates; the layer stays LOADING until it is
+            # done, so its ValueError leaves the layer loadable.
+            state.check_not_torn()
+            first, validate = steps[0]
+            validate()
+            state.load_w3w1 = bool(getattr(layer, "w13_loaded_as_w3w1", False))
+            state.mark_done(first, device, begin=PrepStatus.PREPARING)
         for n, fn in steps:
             if n not in state.done and name in (None, n):
                 fn()
@@ -191,7 +167,6 @@ def run_preparation_steps(
             state.status = PrepStatus.PREPARED
             state.plans = {}
             state.writes_since_prepared = False
-            record_prepared(state, layer)
 
 
 def _finish_started_step(
@@ -211,42 +186,6 @@ def _finish_started_step(
 
 
 # -- the way back ----------------------------------------------------------------
-def reset_load_layout(
-    weights: WeightLayout, layer: torch.nn.Module, state: MoEWeightPrepState, reason
-) -> None:
-    """The load layout's shapes and dtypes, whatever the bytes; torn
-    (``weights``: the layer's ``B12xW4A4Weights`` or ``B12xW4A16Weights``)."""
-    for name, (shape, dtype) in nvfp4_moe_param_specs(weights.moe_config).items():
-        param = getattr(layer, name, None)
-        if not isinstance(param, torch.Tensor):
-            continue  # a method that keeps its input scales elsewhere
-        if param.dtype == dtype and tuple(param.shape) == shape:
-            continue
-        with torch.device(param.device):
-            if (
-                name.endswith("_weight_scale")
-                and weights.swizzles_block_scales
-                and param.dtype == dtype
-                and state.has_storage_room(name, param)
-            ):
-                data = torch.empty(0, dtype=dtype).set_(
-                    param.untyped_storage(), 0, shape
-                )
-            else:
-                data = load_layout_data(
-                    name, shape, dtype, weights.swizzles_block_scales, state
-                )
-        replace_parameter(layer, name, data)
-    if state.load_w3w1 is not None:
-        layer.w13_loaded_as_w3w1 = state.load_w3w1
-    state.begin(PrepStatus.LOADING)
-    state.undo, state.folds, state.global_scales = [], {}, {}
-    state.fingerprints, state.checksums = {}, {}
-    state.writes_since_prepared = False
-    state.loader_writes = set()
-    state.mark_torn(reload_slots(weights.moe_config), reason)
-
-
 def restore_load_layout(
     weights: WeightLayout, layer: torch.nn.Module, state: MoEWeightPrepState
 ) -> None:
@@ -272,19 +211,19 @@ def restore_load_layout(
             why = f"parameters changed after the preparation: {sorted(changed)}"
             reset_load_layout(weights, layer, state, why)
             return
-        try:
-            if state.status is PrepStatus.PREPARING:
+        if state.status is PrepStatus.PREPARING:
+            try:
                 if weights.restore_completes_preparation:
                     run_preparation_steps(layer, state, weights)
                 else:
                     _finish_started_step(layer, state, weights)
-            weights.restore_load_layout(layer, state)
-        except Exception as err:  # noqa: BLE001 - the layer is reset, torn
-            logger.warning(
-                "restoring the MoE layer's load layout failed (%s); the "
-                "layer needs a complete reload",
-                err,
-            )
-            reset_load_layout(
-                weights, layer, state, f"restoring the load layout failed: {err}"
-            )
+            except Exception as err:  # noqa: BLE001 - the layer is reset, torn
+                logger.warning(
+                    "restoring the MoE layer's load layout failed (%s); the "
+                    "layer needs a complete reload",
+                    err,
+                )
+                why = f"restoring the load layout failed: {err}"
+                reset_load_layout(weights, layer, state, why)
+                return
+        restore_or_reset(weights, layer, state)

@@ -23,10 +23,12 @@ from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
     make_nvfp4_moe_quant_config,
     select_nvfp4_moe_backend,
 )
-from vllm.model_executor.layers.fused_moe.weight_prep_guard import check_unchanged
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
+    check_unchanged,
+    get_prep_state,
+)
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     PrepStatus,
-    get_prep_state,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import PrepStep
 from vllm.model_executor.layers.quantization.utils.nvfp4_format import (

@@ -37,12 +37,12 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     after_copy,
+    get_prep_state,
     unchanged_problem,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
     PrepStatus,
-    get_prep_state,
 )
 
 logger = init_logger(__name__)

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -41,12 +40,10 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     check_unchanged,
-    guard_weight_loaders,
-)
-from vllm.model_executor.layers.fused_moe.weight_prep_state import (
-    PrepStatus,
     get_prep_state,
+    guarded_preparation,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
     restore_load_layout,
@@ -67,28 +64,6 @@ from vllm.model_executor.layers.quantization.utils.quant_utils import (
 #: scale as loaded; "fold" multiplies them into the block scales and passes
 #: alphas of 1 (loses precision at real weight magnitudes).
 GLOBAL_SCALE_MODES = ("alpha", "fold")
-
-
-def _refill(old: Any, new: Any, layer: torch.nn.Module) -> Any:
-    """``new`` (a binding: a dataclass of the kernel's views and the tensors
-    derived from the weights), with each derived tensor copied into
-    ``old``'s tensor of the same field, shape, dtype and device; views of a
-    parameter are at their address already."""
-    if not dataclasses.is_dataclass(new) or isinstance(new, type):
-        return new  # not a binding (a dataclass instance)
-    if type(old) is not type(new):
-        return new
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters(recurse=False)}
-    kept = {}
-    for f in dataclasses.fields(new):
-        a, b = getattr(old, f.name), getattr(new, f.name)
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            continue
-        if b.untyped_storage().data_ptr() in params:
-            continue
-        if (a.shape, a.dtype, a.device) == (b.shape, b.dtype, b.device):
-            kept[f.name] = a.copy_(b)
-    return dataclasses.replace(new, **kept) if kept else new
 
 
 class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
@@ -166,22 +141,39 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
             self.weights = B12xW4A16Weights(moe_config, self.max_transient_bytes)
         else:
             self.weights = B12xW4A4Weights(
-                moe_config, self.max_transient_bytes, self._scale_mode
+                moe_config, self.max_transient_bytes, self._scale_mode, quant_config
             )
         #: What the kernel reads of the prepared layer, set by
         #: process_weights_after_loading (W4A4: B12xW4A4Tensors; W4A16:
         #: W4A16PackedWeights); None while the layer is not prepared.
+        #: (``w1_sf_mma``, ``w2_sf_mma``, ``_fc2_input_scale``: its W4A4 fields.)
         self.prepared: B12xW4A4Tensors | W4A16PackedWeights | None = None
-        self.w1_sf_mma: torch.Tensor | None = None
-        self.w2_sf_mma: torch.Tensor | None = None
-        self._fc2_input_scale: torch.Tensor | None = None
         # The layer's preparation state and the layer: apply tests the
         # state's ready flag, set and cleared at the weights' events.
         self._guard: tuple[Any, torch.nn.Module] | None = None
         # FlashInfer's objects, built on the first apply (they need the
-        # device): the W4A4 wrapper, or the W4A16 prepared-weights record.
+        # device): the W4A4 wrapper, or the W4A16 prepared-weights record
+        # with the binding it was made of.
         self._wrapper: Any | None = None
-        self._flashinfer_packed: Any | None = None
+        self._flashinfer_packed: tuple[W4A16PackedWeights, Any] | None = None
+
+    def _w4a4_field(self, name: str) -> torch.Tensor | None:
+        t = self.prepared
+        return getattr(t, name) if isinstance(t, B12xW4A4Tensors) else None
+
+    @property
+    def w1_sf_mma(self) -> torch.Tensor | None:
+        """FC1's block scales as the kernel's MMA view (W4A4, prepared)."""
+        return self._w4a4_field("w1_sf_mma")
+
+    @property
+    def w2_sf_mma(self) -> torch.Tensor | None:
+        """FC2's block scales as the kernel's MMA view (W4A4, prepared)."""
+        return self._w4a4_field("w2_sf_mma")
+
+    @property
+    def _fc2_input_scale(self) -> torch.Tensor | None:
+        return self._w4a4_field("fc2_input_scale")
 
     @classmethod
     def check_kernel_config(cls, moe: FusedMoEConfig, weight_only: bool) -> None:
@@ -313,20 +305,20 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
     def _prepare(self, layer: torch.nn.Module, step: str | None = None) -> None:
         """The preparation, in order (``step``: that step only):
 
-        1. the layer's record (``weight_prep_state``);
-        2. its parameters' own ``weight_loader`` guarded (vLLM's writes
-           ``param.data``, which the version-counter guard cannot see): a
-           write into a layer no longer in the load layout is recorded;
-        3. the layout's steps not yet done, each recorded
+        1. the layer's record locked, its parameters' ``weight_loader``
+           guarded, a layer prepared before checked unchanged
+           (``weight_prep_guard.guarded_preparation``);
+        2. the layout's steps not yet done, each recorded
            (``weight_prep_steps``; a RESTORING layer is restored first);
-        4. once PREPARED, the kernel's views bound.
+        3. once PREPARED, the kernel's views bound (the layout's ``bind``)
+           and the layer's fingerprints recorded (the guard, as the block
+           ends): ``apply`` runs unchecked from then.
         """
-        state = get_prep_state(layer)
-        guard_weight_loaders(layer)
-        with state.lock:
+        with guarded_preparation(layer) as state:
             run_preparation_steps(layer, state, self.weights, step)
             if state.status is PrepStatus.PREPARED:
-                self._bind(layer, state)
+                self.prepared = self.weights.bind(layer, state, self.prepared)
+                self._guard = (state, layer)
 
     def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
         """The preparation of ``layer`` as named steps, in the order they run
@@ -356,32 +348,16 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         ``previous`` (default: the binding these experts had), where shapes
         match, so that every address a captured CUDA graph holds stays
         valid (a reload builds new experts: it passes the old binding)."""
-        self._bind(layer, get_prep_state(layer), previous)
-
-    def _bind(self, layer: torch.nn.Module, state: Any, previous: Any = None) -> None:
-        """:meth:`bind_prepared` with the layer's ``weight_prep_state``."""
+        state = get_prep_state(layer)
         if previous is None:
             previous = self.prepared
-        self._flashinfer_packed = None
-        weights = self.weights
-        if self.weight_only:
-            assert isinstance(weights, B12xW4A16Weights)  # as __init__ made it
-            self.prepared = _refill(previous, weights.bind(layer, state), layer)
-        else:
-            assert isinstance(weights, B12xW4A4Weights)  # as __init__ made it
-            alpha = self.effective_global_scale_mode == "alpha"
-            tensors = weights.bind(layer, state, alpha, self.quant_config)
-            tensors = _refill(previous, tensors, layer)
-            self.prepared = tensors
-            self.w1_sf_mma, self.w2_sf_mma = tensors.w1_sf_mma, tensors.w2_sf_mma
-            self._fc2_input_scale = tensors.fc2_input_scale
+        self.prepared = self.weights.bind(layer, state, previous)
         self._guard = (state, layer)
 
     def drop_prepared(self) -> None:
         """Forget the kernel's views: ``apply`` refuses until the layer is
         prepared again."""
         self.prepared = None
-        self.w1_sf_mma = self.w2_sf_mma = self._fc2_input_scale = None
         self._flashinfer_packed = None
         self._guard = None
 
@@ -416,9 +392,6 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         d = dict(self.__dict__)
         d.update(
             prepared=None,
-            w1_sf_mma=None,
-            w2_sf_mma=None,
-            _fc2_input_scale=None,
             _wrapper=None,
             _flashinfer_packed=None,
         )
@@ -528,15 +501,14 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
 
         pw = self.prepared
         assert isinstance(pw, W4A16PackedWeights)  # apply checked it is bound
-        if self._flashinfer_packed is None:
-            self._flashinfer_packed = flashinfer_packed_weights(
-                pw, hidden_states.device
-            )
+        if self._flashinfer_packed is None or self._flashinfer_packed[0] is not pw:
+            packed = flashinfer_packed_weights(pw, hidden_states.device)
+            self._flashinfer_packed = (pw, packed)
         moe_dispatch.launch_sm120_moe(
             **w4a16_launch_kwargs(
                 self.moe_config,
                 pw,
-                self._flashinfer_packed,
+                self._flashinfer_packed[1],
                 hidden_states,
                 w1,
                 w2,

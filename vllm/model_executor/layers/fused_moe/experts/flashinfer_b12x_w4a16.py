@@ -43,10 +43,11 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
-    check_global_scales,
+    refill_binding,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
+    check_global_scales,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     W4A16_TILE_N,
@@ -202,10 +203,14 @@ class B12xW4A16Weights:
         ]
 
     def bind(
-        self, layer: torch.nn.Module, state: MoEWeightPrepState
+        self,
+        layer: torch.nn.Module,
+        state: MoEWeightPrepState,
+        previous: W4A16PackedWeights | None = None,
     ) -> W4A16PackedWeights:
         """The kernel's views of a prepared layer (no copy of a weight) and
-        its per-expert global scales (new [E] float32 tensors); ``state``:
+        its per-expert global scales ([E] float32, copied into
+        ``previous``'s where shapes match: ``refill_binding``); ``state``:
         the layer's ``weight_prep_state``."""
         moe = self.moe_config
         v = state.values["w4a16"]
@@ -223,7 +228,7 @@ class B12xW4A16Weights:
             gate = s13[:, 0]
         w13 = layer.w13_weight.view(torch.int32).view(e, h // 16, rows // 64 * 128)
         w2 = layer.w2_weight.view(torch.int32).view(e, inter // 16, h // 64 * 128)
-        return W4A16PackedWeights(
+        packed = W4A16PackedWeights(
             w13=w13,
             w13_scale=layer.w13_weight_scale.view(e, h // 16, rows),
             w13_global_scale=w4a16_global_scale(gate, v["w13"]).contiguous(),
@@ -235,6 +240,7 @@ class B12xW4A16Weights:
             num_experts=e,
             is_gated=moe.is_act_and_mul,
         )
+        return refill_binding(previous, packed, layer)
 
     def restore_load_layout(
         self, layer: torch.nn.Module, state: MoEWeightPrepState

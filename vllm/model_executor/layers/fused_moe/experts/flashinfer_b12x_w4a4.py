@@ -42,17 +42,18 @@ from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
     FusedMoEQuantConfig,
 )
+from vllm.model_executor.layers.fused_moe.weight_prep_guard import get_prep_state
 from vllm.model_executor.layers.fused_moe.weight_prep_state import (
     MoEWeightPrepState,
     PrepStatus,
-    get_prep_state,
 )
 from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
     PrepStep,
-    check_global_scales,
+    refill_binding,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
+    check_global_scales,
 )
 from vllm.model_executor.layers.quantization.utils.blockscale_fold import (
     fold_global_scale_into_blockscale_,
@@ -65,10 +66,15 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     ALLOCATION_GRANULE,
     allocation_bytes,
 )
+from vllm.model_executor.layers.quantization.utils.bounded_halves_swap import (
+    swap_halves_,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_b12x_w4a4_format import (
     blockscale_mma_layout_view,
 )
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
+    has_storage_room,
+    record_storage_room,
     w13_rows,
 )
 from vllm.model_executor.utils import replace_parameter
@@ -125,10 +131,12 @@ class B12xW4A4Weights:
         moe: FusedMoEConfig,
         max_transient_bytes: int,
         global_scale_mode: Callable[[], str],
+        quant_config: FusedMoEQuantConfig | None = None,
     ):
         self.moe_config = moe
         self.max_transient_bytes = max_transient_bytes
         self.global_scale_mode = global_scale_mode
+        self.quant_config = quant_config
 
     def scale_geometry(self, prefix: str) -> tuple[int, int, int]:
         """(E, rows, cols) of the linear ``{prefix}_weight_scale``."""
@@ -180,7 +188,7 @@ class B12xW4A4Weights:
         def reorder() -> None:
             # [w1; w3] -> [w3; w1] on the weight and the linear scales.
             if moe.is_act_and_mul and not getattr(layer, "w13_loaded_as_w3w1", False):
-                _reorder_w13_halves(
+                swap_halves_(
                     layer.w13_weight,
                     layer.w13_weight_scale,
                     dim=-2,
@@ -199,14 +207,14 @@ class B12xW4A4Weights:
                 swizzled = swizzle_blockscale_bounded(
                     scale,
                     max_transient_bytes=cap,
-                    storage_has_room=state.has_storage_room(name, scale),
+                    storage_has_room=has_storage_room(state, name, scale),
                     progress=state.progress_of(f"swizzle.{name}"),
                 )
                 if swizzled.untyped_storage().data_ptr() != (
                     scale.untyped_storage().data_ptr()
                 ):
                     # A new padded result: made for the padded layout.
-                    state.record_storage_room(name, swizzled)
+                    record_storage_room(state, name, swizzled)
                 replace_parameter(layer, name, swizzled)
 
         def finalize() -> None:
@@ -257,7 +265,7 @@ class B12xW4A4Weights:
             ):
                 # Back to the [w1; w3] the layer was loaded with: a loader
                 # copying checkpoint-layout tensors finds them where it wrote.
-                _reorder_w13_halves(
+                swap_halves_(
                     layer.w13_weight,
                     layer.w13_weight_scale,
                     dim=-2,
@@ -355,19 +363,21 @@ class B12xW4A4Weights:
         self,
         layer: torch.nn.Module,
         state: MoEWeightPrepState,
-        alpha_mode: bool,
-        quant_config: FusedMoEQuantConfig | None = None,
+        previous: B12xW4A4Tensors | None = None,
     ) -> B12xW4A4Tensors:
         """The kernel's views of a prepared layer (no copy of a weight), with
         the activation scales of ``quant_config`` (see :meth:`input_scales`);
-        ``state``: the layer's ``weight_prep_state``."""
+        ``state``: the layer's ``weight_prep_state``. The derived tensors
+        (alphas, scales) are copied into ``previous``'s where shapes match
+        (``refill_binding``)."""
         moe = self.moe_config
         e, h, rows = moe.num_local_experts, moe.hidden_dim, w13_rows(moe)
         inter = moe.intermediate_size_per_partition
-        fc1_scale, fc2_scale = self.input_scales(layer, quant_config, alpha_mode)
+        alpha_mode = self.global_scale_mode() == "alpha"
+        fc1_scale, fc2_scale = self.input_scales(layer, self.quant_config, alpha_mode)
         fc2 = fc2_scale if alpha_mode else None
         w1_alpha, w2_alpha = self.alphas_of(layer, state, fc2)
-        return B12xW4A4Tensors(
+        tensors = B12xW4A4Tensors(
             w1_sf_mma=blockscale_mma_layout_view(layer.w13_weight_scale, rows, h, e),
             w2_sf_mma=blockscale_mma_layout_view(layer.w2_weight_scale, h, inter, e),
             w1_alpha=w1_alpha,
@@ -375,18 +385,7 @@ class B12xW4A4Weights:
             fc1_input_scale=fc1_scale,
             fc2_input_scale=fc2_scale,
         )
-
-
-def _reorder_w13_halves(*tensors: torch.Tensor, **kwargs) -> None:
-    """``reorder_w1w3_to_w3w1`` (``flashinfer_fp4_moe``): swaps the two row
-    halves of w13 in place, in bounded memory."""
-    # Imported when a step runs: flashinfer_fp4_moe imports the NVFP4
-    # oracle, which imports the experts that import this layout.
-    from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
-        reorder_w1w3_to_w3w1,
-    )
-
-    reorder_w1w3_to_w3w1(*tensors, **kwargs)
+        return refill_binding(previous, tensors, layer)
 
 
 def fold_to(

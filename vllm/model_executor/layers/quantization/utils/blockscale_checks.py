@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Validation of NVFP4 MoE FP8 block scales: their tensor form and their values."""
+"""Validation of NVFP4 MoE scales: the FP8 block scales' tensor form and
+values, and a layer's float32 global and input scales."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
 __all__ = [
     "check_blockscale_tensor",
     "check_blockscale_values",
+    "check_global_scales",
 ]
 
 
@@ -81,3 +83,31 @@ def check_blockscale_values(
                 f"is {what} (FP8 byte 0x{byte:02x}); block scales must be finite "
                 "and non-negative"
             )
+
+
+def check_global_scales(
+    layer: torch.nn.Module,
+    first_expert: int,
+    suffixes: tuple[str, ...] = ("weight_scale_2",),
+) -> None:
+    """ValueError naming the parameter, expert and shard of a global scale
+    (``{w13,w2}_{suffix}`` for each of ``suffixes``) that is not finite and
+    positive (scales set in memory, not loaded)."""
+    first = "w3" if getattr(layer, "w13_loaded_as_w3w1", False) else "w1"
+    shards = {"w13": (first, "w1" if first == "w3" else "w3"), "w2": ("w2",)}
+    for prefix in ("w13", "w2"):
+        for suffix in suffixes:
+            name = f"{prefix}_{suffix}"
+            t = getattr(layer, name, None)
+            if t is None:
+                continue
+            values = t.detach().float().reshape(t.shape[0], -1)  # [E, G], tiny
+            bad = ~(torch.isfinite(values) & (values > 0))
+            if bool(bad.any()):
+                e, g = (int(i) for i in bad.nonzero()[0])
+                shard = shards[prefix][g] if values.shape[1] > 1 else prefix
+                raise ValueError(
+                    f"{name} of expert {first_expert + e} ({shard}) is "
+                    f"{values[e, g].item()}: global and input scales must be "
+                    "finite and positive"
+                )

@@ -13,7 +13,7 @@ from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
     FLOAT4_E2M1_MAX,
     FLOAT8_E4M3_MAX,
     NVFP4_BLOCK_SIZE,
-    broadcast_global_scale,
+    checked_quantization_input,
     e2m1_encode,
     pack_fp4,
     swizzled_blockscale_shape,
@@ -88,16 +88,7 @@ def quantize_nvfp4_b12x_activation(
             positive, or of a shape that does not broadcast per leading index.
 
     """
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK_SIZE != 0:
-        raise ValueError(
-            f"x's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, got "
-            f"shape {tuple(x.shape)}"
-        )
-    d = broadcast_global_scale(input_scale, x).unsqueeze(-1)
-    if not (torch.isfinite(d).all() and (d > 0).all()):
-        raise ValueError(f"input_scale must be finite and positive, got {input_scale}")
+    d = checked_quantization_input(x, input_scale, "input_scale")
     if scales_are_reciprocal:
         d = _rcp_ftz(d) if fast_math else 1.0 / d
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., K/16, 16]

@@ -29,6 +29,7 @@ import torch
 
 __all__ = [
     "broadcast_global_scale",
+    "checked_quantization_input",
     "E2M1_VALUES",
     "FLOAT4_E2M1_MAX",
     "FLOAT8_E4M3_MAX",
@@ -135,6 +136,27 @@ def broadcast_global_scale(
     return s.reshape(-1, *([1] * (like.dim() - 1)))
 
 
+def checked_quantization_input(
+    x: torch.Tensor, scale: torch.Tensor | float, scale_name: str
+) -> torch.Tensor:
+    """The checks of an NVFP4 quantizer's input: ``x`` [..., K] bfloat16,
+    float16 or float32 with K a multiple of 16 (TypeError, ValueError), and
+    its ``scale`` (named ``scale_name``) finite and positive, a scalar or one
+    per leading index (ValueError). Returns the scale as float32 broadcast
+    against ``x``'s blocks: [] or [L, 1, ..., 1, 1]."""
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK_SIZE != 0:
+        raise ValueError(
+            f"x's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, got "
+            f"shape {tuple(x.shape)}"
+        )
+    s = broadcast_global_scale(scale, x).unsqueeze(-1)
+    if not (torch.isfinite(s).all() and (s > 0).all()):
+        raise ValueError(f"{scale_name} must be finite and positive, got {scale}")
+    return s
+
+
 def quantize_nvfp4(
     x: torch.Tensor, global_scale: torch.Tensor | float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,18 +169,7 @@ def quantize_nvfp4(
     amax(block) / 6)``, codes ``e2m1(x * (global_scale / block_scale))``. A
     block whose scale is zero encodes as zeros; no NaN is produced.
     """
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK_SIZE != 0:
-        raise ValueError(
-            f"x's last dimension must be a multiple of {NVFP4_BLOCK_SIZE}, got "
-            f"shape {tuple(x.shape)}"
-        )
-    gs = broadcast_global_scale(global_scale, x).unsqueeze(-1)
-    if not (torch.isfinite(gs).all() and (gs > 0).all()):
-        raise ValueError(
-            f"global_scale must be finite and positive, got {global_scale}"
-        )
+    gs = checked_quantization_input(x, global_scale, "global_scale")
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK_SIZE))  # [..., K/16, 16]
     block_amax = blocks.abs().amax(dim=-1, keepdim=True)  # [..., K/16, 1]
     scale = ((block_amax / FLOAT4_E2M1_MAX) * gs).clamp(max=FLOAT8_E4M3_MAX)

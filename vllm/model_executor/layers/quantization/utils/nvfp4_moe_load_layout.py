@@ -1,34 +1,61 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The NVFP4 MoE parameters as the weight loader writes them (the load
-layout): names, shapes, dtypes, their first data, and the checks of it."""
+layout): names, shapes, dtypes, their first data, the checks of it, and the
+way back to it: the layout's exact inverse, or, from bytes that cannot be
+trusted, new parameters of its shapes (:func:`restore_or_reset`,
+:func:`reset_load_layout`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe.weight_prep_state import (
+    MoEWeightPrepState,
+    PrepStatus,
+)
 from vllm.model_executor.layers.quantization.utils.blockscale_swizzle import (
     blockscale_storage_for_swizzle,
 )
+from vllm.model_executor.utils import replace_parameter
 
 if TYPE_CHECKING:
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
-    from vllm.model_executor.layers.fused_moe.weight_prep_state import (
-        MoEWeightPrepState,
-    )
+
+logger = init_logger(__name__)
 
 __all__ = [
     "REQUIRED_SUFFIXES",
+    "RestorableLayout",
     "check_load_layout",
     "expert_param_specs",
+    "restore_or_reset",
+    "has_storage_room",
     "load_layout_data",
     "load_layout_ok",
     "nvfp4_moe_param_specs",
+    "record_storage_room",
     "reload_slots",
+    "reset_load_layout",
     "w13_rows",
 ]
+
+
+class RestorableLayout(Protocol):
+    """What the way back needs of a kernel layout (``B12xW4A4Weights``,
+    ``B12xW4A16Weights``): the layer's config, whether it pads the block
+    scales, and its exact inverse."""
+
+    moe_config: FusedMoEConfig
+    swizzles_block_scales: bool
+
+    def restore_load_layout(
+        self, layer: torch.nn.Module, state: MoEWeightPrepState
+    ) -> None: ...
+
 
 #: Parameters a complete reload must write, per prefix (``w13_``, ``w2_``):
 #: input scales are optional in checkpoints (b12x quantizes dynamically).
@@ -72,6 +99,19 @@ def expert_param_specs(
     return {n: s for n, s in specs.items() if not n.endswith("_input_scale")}
 
 
+def record_storage_room(state: MoEWeightPrepState, name: str, t: torch.Tensor) -> None:
+    """Record in ``state`` that ``t``'s storage was made with room for the
+    padded (swizzled) block scales of parameter ``name``."""
+    s = t.untyped_storage()
+    state.padded_storage[name] = (s.data_ptr(), s.nbytes())
+
+
+def has_storage_room(state: MoEWeightPrepState, name: str, t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage is the one recorded with room for ``name``."""
+    s = t.untyped_storage()
+    return state.padded_storage.get(name) == (s.data_ptr(), s.nbytes())
+
+
 def load_layout_data(
     name: str,
     shape: tuple[int, ...],
@@ -87,7 +127,7 @@ def load_layout_data(
     activations dynamically); everything else 0."""
     if name.endswith("_weight_scale") and swizzles_block_scales:
         data = blockscale_storage_for_swizzle(*shape)
-        state.record_storage_room(name, data)
+        record_storage_room(state, name, data)
         return data
     if dtype == torch.float32:
         return torch.ones(shape, dtype=dtype)
@@ -135,3 +175,72 @@ def check_load_layout(layer: torch.nn.Module, moe: FusedMoEConfig) -> None:
             "weights again through the layer's weight_loader, which restores "
             "the load layout"
         )
+
+
+def reset_load_layout(
+    weights: RestorableLayout,
+    layer: torch.nn.Module,
+    state: MoEWeightPrepState,
+    reason: str,
+) -> None:
+    """The load layout's shapes and dtypes, whatever the bytes; the layer is
+    torn (``reason``): every slot must be written again before it is
+    prepared. A block scale whose storage has room keeps it."""
+    for name, (shape, dtype) in nvfp4_moe_param_specs(weights.moe_config).items():
+        param = getattr(layer, name, None)
+        if not isinstance(param, torch.Tensor):
+            continue  # a method that keeps its input scales elsewhere
+        if param.dtype == dtype and tuple(param.shape) == shape:
+            continue
+        with torch.device(param.device):
+            if (
+                name.endswith("_weight_scale")
+                and weights.swizzles_block_scales
+                and param.dtype == dtype
+                and has_storage_room(state, name, param)
+            ):
+                data = torch.empty(0, dtype=dtype).set_(
+                    param.untyped_storage(), 0, shape
+                )
+            else:
+                data = load_layout_data(
+                    name, shape, dtype, weights.swizzles_block_scales, state
+                )
+        replace_parameter(layer, name, data)
+    if state.load_w3w1 is not None:
+        layer.w13_loaded_as_w3w1 = state.load_w3w1
+    state.begin(PrepStatus.LOADING)
+    state.undo, state.folds, state.global_scales = [], {}, {}
+    state.fingerprints, state.checksums = {}, {}
+    state.writes_since_prepared = False
+    state.loader_writes = set()
+    state.mark_torn(reload_slots(weights.moe_config), reason)
+
+
+def restore_or_reset(
+    weights: RestorableLayout, layer: torch.nn.Module, state: MoEWeightPrepState
+) -> None:
+    """Return a PREPARED layer, or resume a RESTORING one (an interrupted
+    restore), to the load layout in place: the layout's exact inverse of
+    the steps done; or, where a loader wrote into the layer since its
+    preparation began or the inverse fails, :func:`reset_load_layout`
+    (torn). The layer is LOADING after it. Holds the layer's lock."""
+    with state.lock:
+        if state.loader_writes:
+            why = (
+                "parameters changed after the preparation: "
+                f"{sorted(state.loader_writes)}"
+            )
+        else:
+            why = ""
+            try:
+                weights.restore_load_layout(layer, state)
+            except Exception as err:  # noqa: BLE001 - the layer is reset, torn
+                logger.warning(
+                    "restoring the MoE layer's load layout failed (%s); the "
+                    "layer needs a complete reload",
+                    err,
+                )
+                why = f"restoring the load layout failed: {err}"
+        if why:
+            reset_load_layout(weights, layer, state, why)
