@@ -130,9 +130,7 @@ def _counts(found: dict[str, str]) -> str:
 
 def _switch(tree: Path, version: str) -> None:
     """The editable install follows ``tree`` (nothing to do if it does)."""
-    probe = [sys.executable, "-c", "import vllm; print(vllm.__file__)"]
-    found = subprocess.run(probe, capture_output=True, text=True, cwd="/").stdout
-    if Path(found.strip()) != tree.resolve() / "vllm" / "__init__.py":
+    if not bsb.imports_from(tree):
         bsb.install(tree, next(tree.parent.glob(f"vllm-{version}-*.whl")), version)
 
 

@@ -174,10 +174,10 @@ class _Swap(cst.CSTTransformer):
         return self.swaps.get(id(old), new)
 
 
-def _imports(module: cst.Module, type_checking: bool = True) -> list:
+def _imports(module: cst.Module) -> list:
     """Module-level import lines (with those under ``if TYPE_CHECKING:``)."""
     tc = [s for s in module.body if isinstance(s, cst.If)]
-    tc = [s.body.body for s in tc if type_checking and code(s.test) == "TYPE_CHECKING"]
+    tc = [s.body.body for s in tc if code(s.test) == "TYPE_CHECKING"]
     return [s for s in [*module.body, *(tc[0] if tc else ())] if _is_import(s)]
 
 
