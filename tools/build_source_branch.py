@@ -24,8 +24,8 @@ from pathlib import Path
 from fork_manifest import load_manifest
 from tool_cli import ROOT, ToolError, command, parser, run
 
-__all__ = ["AUTHOR", "BRANCH", "build_release", "check_disk", "git", "install"]
-__all__ += ["precompiled"]
+__all__ = ["AUTHOR", "BRANCH", "build_release", "check_disk", "git", "imports_from"]
+__all__ += ["install", "precompiled"]
 
 BRANCH, WIP = "nvfp4moe", "nvfp4moe-wip"
 AUTHOR = "vLLM NVFP4 MoE branch <nvfp4-moe-branch@users.noreply.github.com>"
@@ -168,10 +168,15 @@ def install(tree: Path, wheel: Path, version: str, requirements=()) -> None:
     env = precompiled(wheel, f"{version}+cpu")
     _pip("install", "-q", "--no-build-isolation", "--no-deps", "-e", str(tree), env=env)
     git(tree, "checkout", "-q", "--", "vllm/_version.py")  # setuptools-scm's
+    if not imports_from(tree):
+        raise ToolError(f"import vllm does not give {tree}'s after installing it")
+
+
+def imports_from(tree: Path) -> bool:
+    """Whether ``import vllm`` in this venv gives ``tree``'s."""
     probe = [sys.executable, "-c", "import vllm; print(vllm.__file__)"]
     found = subprocess.run(probe, capture_output=True, text=True, cwd="/").stdout
-    if Path(found.strip()) != tree.resolve() / "vllm" / "__init__.py":
-        raise ToolError(f"import vllm gives {found.strip() or 'an error'}, not {tree}")
+    return Path(found.strip()) == tree.resolve() / "vllm" / "__init__.py"
 
 
 def build_release(

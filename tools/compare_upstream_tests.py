@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import build_source_branch as bsb
+from fork_manifest import load_manifest
 from tool_cli import ROOT, ToolError, command, parser
 
 __all__ = ["QUICK", "SELECTION", "compare", "outcomes", "regressions"]
@@ -130,9 +131,7 @@ def _counts(found: dict[str, str]) -> str:
 
 def _switch(tree: Path, version: str) -> None:
     """The editable install follows ``tree`` (nothing to do if it does)."""
-    probe = [sys.executable, "-c", "import vllm; print(vllm.__file__)"]
-    found = subprocess.run(probe, capture_output=True, text=True, cwd="/").stdout
-    if Path(found.strip()) != tree.resolve() / "vllm" / "__init__.py":
+    if not bsb.imports_from(tree):
         bsb.install(tree, next(tree.parent.glob(f"vllm-{version}-*.whl")), version)
 
 
@@ -143,14 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     build = ROOT / "build" / "source"
 
     def body() -> int:
-        bad = 0
+        bad, versions = 0, args.release or list(load_manifest().releases)
+        for v in versions:  # all there before the install is switched
+            tree = build / f"vllm-{v}"
+            if not (tree / ".git").is_dir() or not any(build.glob(f"vllm-{v}-*.whl")):
+                raise ToolError(f"no {tree}: run tools/build_source_branch.py")
         try:
-            for v in args.release or ["0.34.0", "0.33.0"]:
+            for v in versions:
                 tree = build / f"vllm-{v}"
-                if not (tree / ".git").is_dir() or not any(
-                    build.glob(f"vllm-{v}-*.whl")
-                ):
-                    raise ToolError(f"no {tree}: run tools/build_source_branch.py")
                 _switch(tree, v)
                 selection = QUICK if args.quick else SELECTION
                 bad += compare(tree, v, selection, build / "compare" / v)

@@ -83,12 +83,12 @@ def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package)
             raise ToolError(f"{who}: the branch's code reads {n}; upstream {theirs}")
         elif b == ("def",):
             relied.add(n)
-    up = fc.add_imports(up, wanted, package)
+    up = fc.add_imports(up, wanted)
     if e.replace or e.drop or e.drop_if or e.edits:  # these can leave imports unused
         up = fc.drop_unused_imports(up0, up)
-    if e.drop_if:  # the imports around a dropped `if` become one block
-        up = fc.sort_import_runs(up, package)
     out = up.code
+    if wanted or e.drop_if:  # new imports; the two blocks around a dropped `if`
+        out = fc.sort_imports(out, e.path, package, who)
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
 
 

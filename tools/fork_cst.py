@@ -22,11 +22,11 @@ import libcst as cst
 import libcst.matchers as m
 
 from fork_manifest import Edit
-from tool_cli import ToolError
+from tool_cli import ToolError, run
 
 __all__ = ["add_definition", "add_imports", "bindings", "buildkite_dependencies"]
 __all__ += ["code", "definition_source", "drop_unused_imports", "edit"]
-__all__ += ["env_entries", "find", "match", "parse", "reads", "sort_import_runs"]
+__all__ += ["env_entries", "find", "match", "parse", "reads", "sort_imports"]
 __all__ += ["source_hash"]
 
 
@@ -174,10 +174,10 @@ class _Swap(cst.CSTTransformer):
         return self.swaps.get(id(old), new)
 
 
-def _imports(module: cst.Module, type_checking: bool = True) -> list:
+def _imports(module: cst.Module) -> list:
     """Module-level import lines (with those under ``if TYPE_CHECKING:``)."""
     tc = [s for s in module.body if isinstance(s, cst.If)]
-    tc = [s.body.body for s in tc if type_checking and code(s.test) == "TYPE_CHECKING"]
+    tc = [s.body.body for s in tc if code(s.test) == "TYPE_CHECKING"]
     return [s for s in [*module.body, *(tc[0] if tc else ())] if _is_import(s)]
 
 
@@ -200,124 +200,57 @@ def bindings(module: cst.Module) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _natural(text: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text.lower())]
-
-
-def _import_line(mod: str, names: list[tuple[str, str]]) -> cst.SimpleStatementLine:
-    """``import``/``from mod import`` of (name, bound) pairs, formatted as ruff."""
-
-    def text(full: str, bound: str) -> str:
-        plain = full if mod else full.split(".")[0]
-        return full if bound == plain else f"{full} as {bound}"
-
-    def rank(pair: tuple[str, str]) -> tuple:  # constants, classes, the rest
-        kind = 0 if pair[0].isupper() and len(pair[0]) > 1 else 2 - pair[0][0].isupper()
-        return kind, _natural(pair[0])
-
-    parts = [text(*p) for p in sorted(set(names), key=rank)]
-    line = f"from {mod} import {', '.join(parts)}" if mod else f"import {parts[0]}"
-    if len(line) > 88:
-        line = f"from {mod} import (\n" + "".join(f"    {p},\n" for p in parts) + ")"
-    return cst.parse_statement(line + "\n")
-
-
-def _sort_key(s: cst.SimpleStatementLine, package: str) -> tuple:
-    imp = s.body[0]
-    name = imp.module if isinstance(imp, cst.ImportFrom) else imp.names[0].name
-    mod = code(name) if name else ""  # `from . import x`: no module
-    top = mod.split(".")[0]
-    section = [top == "__future__", top in sys.stdlib_module_names, True]
-    section = section.index(True) + (top in (package, "tests"))
-    if isinstance(imp, cst.ImportFrom) and imp.relative:  # local: last
-        section, mod = 4, "." * len(imp.relative) + mod
-    return section, isinstance(imp, cst.ImportFrom), _natural(mod)
-
-
-def add_imports(module: cst.Module, wanted: dict, package: str) -> cst.Module:
-    """Add the bindings ``wanted`` (bound name -> binding) as ruff's isort
-    places them: into upstream's import of the same module, else into the
-    first run of imports, sorted."""
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for bound, (_, mod, full) in sorted(wanted.items()):
-        groups.setdefault(mod, []).append((full, bound))
-    for mod, names in groups.items():
-        for pairs in [names] if mod else [[p] for p in names]:
-            same = [
-                s
-                for s in _imports(module, type_checking=False)
-                if mod
-                and isinstance(s.body[0], cst.ImportFrom)
-                and not isinstance(s.body[0].names, cst.ImportStar)
-                and code(s.body[0].module) == mod
-            ]
-            if same:
-                have = [_alias_names(a) for a in same[0].body[0].names]
-                new = _import_line(mod, have + pairs)
-                swap = new.with_changes(leading_lines=same[0].leading_lines)
-                module = module.deep_replace(same[0], swap)
-                continue
-            body, new = list(module.body), _import_line(mod, pairs)
-            i = next((k for k, s in enumerate(body) if _is_import(s)), None)
-            if i is None:  # the first import: after the docstring
-                i = int(bool(body) and _binds(body[0], True) == "__doc__")
-                new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * i)
-                module = module.with_changes(body=[*body[:i], new, *body[i:]])
-                continue
-            j = i
-            while j < len(body) and _is_import(body[j]):
-                j += 1
-            run = _sorted_run([*body[i:j], new], package, first=i == 0)
-            module = module.with_changes(body=[*body[:i], *run, *body[j:]])
-    return module
-
-
 def _is_import(s: cst.CSTNode) -> bool:
     return isinstance(s, cst.SimpleStatementLine) and isinstance(
         s.body[0], (cst.Import, cst.ImportFrom)
     )
 
 
-def _sorted_run(run: list, package: str, first: bool) -> list:
-    """Import lines as ruff's isort orders them: sections apart by one blank
-    line, comments kept (``first``: the module's first statement)."""
-    ordered = sorted(run, key=lambda s: _sort_key(s, package))
-    out = []
-    for k, s in enumerate(ordered):
-        notes = [ln for ln in s.leading_lines if ln.comment]
-        if k == 0:
-            blank = [ln for ln in run[0].leading_lines if not ln.comment]
-            lead = ([] if first else blank) + notes  # first: the header's
-        else:
-            apart = _sort_key(s, package)[0] != _sort_key(ordered[k - 1], package)[0]
-            lead = [cst.EmptyLine(indent=False)] * apart + notes
-        out.append(s.with_changes(leading_lines=lead))
-    return out
+def _from(s: cst.CSTNode) -> str | None:
+    """The module of a module-level ``from <module> import`` line."""
+    imp = s.body[0] if _is_import(s) else None
+    is_from = isinstance(imp, cst.ImportFrom) and imp.module and not imp.relative
+    return code(imp.module) if is_from else None
 
 
-def sort_import_runs(module: cst.Module, package: str) -> cst.Module:
-    """Each run of module-level import lines (one a dropped module-level
-    ``if`` can make of two) as ruff's isort orders one, where it does not
-    already."""
-    body, out = list(module.body), []
-    while body:
-        run = []
-        while body and _is_import(body[0]):
-            run.append(body.pop(0))
-        if not run:
-            out.append(body.pop(0))
-            continue
-        keys = [_sort_key(s, package) for s in run]
-        gaps = [any(not ln.comment for ln in s.leading_lines) for s in run[1:]]
-        apart = [a[0] != b[0] for a, b in zip(keys[:-1], keys[1:], strict=True)]
-        ok = keys == sorted(keys) and gaps == apart
-        out += run if ok else _sorted_run(run, package, first=not out)
-    return module.with_changes(body=out)
+def add_imports(module: cst.Module, wanted: dict) -> cst.Module:
+    """Add the bindings ``wanted`` (bound name -> binding), an import line
+    each, after upstream's import from the same module, else after the first
+    run of imports; :func:`sort_imports` then places them as ruff does."""
+    for bound, (_, mod, full) in sorted(wanted.items()):
+        plain = full if mod else full.split(".")[0]
+        name = full if bound == plain else f"{full} as {bound}"
+        new = cst.parse_statement(
+            f"from {mod} import {name}" if mod else f"import {name}"
+        )
+        body = list(module.body)
+        runs = [k for k, s in enumerate(body) if _is_import(s)]
+        i = next((k + 1 for k in runs if mod and _from(body[k]) == mod), None)
+        if i is None and runs:
+            i = runs[0]
+            while i < len(body) and _is_import(body[i]):
+                i += 1
+        elif i is None:  # the first import: after the docstring
+            i = int(bool(body) and _binds(body[0], True) == "__doc__")
+            new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * i)
+        module = module.with_changes(body=[*body[:i], new, *body[i:]])
+    return module
+
+
+def sort_imports(text: str, path: str, package: str, who: str) -> str:
+    """``text`` (of the file ``path``) with its import blocks as upstream's
+    pre-commit leaves them: ruff's isort (``ruff check --select I --fix``,
+    ``package`` and tests/ first-party)."""
+    first = f"lint.isort.known-first-party = [{package!r}, 'tests']"
+    cmd = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache"]
+    cmd += ["--select", "I", "--fix", "--config", first, "--stdin-filename", path]
+    return run([*cmd, "-"], f"{who}: ruff's import sorting", input=text, strip=False)
 
 
 def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
     """Remove the imported names upstream's file read and the edited one no
-    longer does (``__all__``'s strings count as reads)."""
+    longer does (``__all__``'s strings count as reads). A new first statement
+    keeps only its comments above it: the header holds the blank lines."""
 
     def used(m: cst.Module) -> set[str]:
         names = reads(m)
@@ -336,7 +269,11 @@ def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
         elif len(keep) < len(imp.names):
             keep[-1] = keep[-1].with_changes(comma=imp.names[-1].comma)
             swaps[id(imp)] = imp.with_changes(names=keep)
-    return after.visit(_Swap(swaps))
+    body = list(after.visit(_Swap(swaps)).body)
+    if body:
+        notes = [ln for ln in body[0].leading_lines if ln.comment]
+        body[0] = body[0].with_changes(leading_lines=notes)
+    return after.with_changes(body=body)
 
 
 def add_definition(

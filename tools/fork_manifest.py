@@ -11,7 +11,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
@@ -167,8 +167,8 @@ def _table(d: object, where: str, need: set[str], may: frozenset = frozenset()) 
     return d
 
 
-_FILE_KEYS = {"src", "new", "replace", "add", "drop", "drop_if", "edits", "envs"}
-_FILE_KEYS |= {"sha256", "releases"}
+def _keys(cls: type, *but: str) -> set[str]:
+    return {f.name for f in fields(cls)} - set(but)
 
 
 def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
@@ -179,7 +179,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         raise ToolError(f"{path}: {exc}") from None
     need = {"package", "local_label", "releases", "prs"}
     top = _table(data, Path(path).name, need, {"files", "buildkite"})
-    keys = {"wheel", "wheel_sha256", "sdist", "sdist_sha256", "requirements"}
+    keys, file_keys = _keys(Release, "version"), _keys(FileEntry, "path", "pr")
     releases = {
         v: Release(v, **_table(r, f"releases.{v}", keys))
         for v, r in top["releases"].items()
@@ -191,7 +191,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         files += [FileEntry(f, p["id"], f, new=True) for f in p.get("new", ())]
     order = [p.id for p in prs]
     for f in top.get("files", ()):
-        f = _table(f, "files", {"path", "pr"}, _FILE_KEYS)
+        f = _table(f, "files", {"path", "pr"}, file_keys)
         if f["pr"] not in order:
             raise ToolError(f"files {f['path']}: no PR {f['pr']!r}")
         if unknown := set(f.get("releases", ())) - set(releases):
@@ -203,7 +203,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
             e = _table(e, where, {"in", kind}, may)
             args = (e.get("code", ""), e.get("take", ""), e.get("within", ""))
             edits.append(Edit(kind, e["in"], e[kind], *args))
-        lists = {k: tuple(f.get(k, ())) for k in _FILE_KEYS - {"src", "new"}}
+        lists = {k: tuple(f.get(k, ())) for k in file_keys - {"src", "new"}}
         lists |= {"edits": tuple(edits), "sha256": f.get("sha256", {})}
         src, new = f.get("src", f["path"]), bool(f.get("new"))
         files.append(FileEntry(f["path"], f["pr"], src, new, **lists))

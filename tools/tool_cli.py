@@ -21,15 +21,18 @@ class ToolError(ValueError):
     """A tool cannot go on; the message names release, file and definition."""
 
 
-def run(cmd: Sequence[str], what: str, env: dict | None = None, **kw) -> str:
-    """``cmd``'s stdout; ToolError with what it said first on a failure."""
+def run(
+    cmd: Sequence[str], what: str, env: dict | None = None, strip=True, **kw
+) -> str:
+    """``cmd``'s stdout (``strip``: stripped); ToolError with what it said
+    first on a failure."""
     env = {**os.environ, **(env or {})}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, **kw)
     if done.returncode:
         said = (done.stderr + done.stdout).splitlines()
         said = [s for s in said if s.strip() and not s.startswith("hint:")]
         raise ToolError(f"{what}: {(said or [f'exit {done.returncode}'])[0]}")
-    return done.stdout.strip()
+    return done.stdout.strip() if strip else done.stdout
 
 
 def parser(doc: str, releases: bool = True) -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 import build_source_branch as bsb
+from fork_manifest import load_manifest
 from tool_cli import ROOT, ToolError, command, parser
 
 __all__ = ["HOOKS", "STEP", "gates"]
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         failed = 0
-        for v in args.release or ["0.34.0", "0.33.0"]:
+        for v in args.release or load_manifest().releases:
             tree = ROOT / "build" / "source" / f"vllm-{v}"
             if not (tree / ".git").is_dir():
                 raise ToolError(f"no {tree}: run tools/build_source_branch.py")

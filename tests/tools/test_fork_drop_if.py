@@ -77,12 +77,12 @@ def test_module_level_ifs_go_with_the_imports_only_they_read(tmp_path, tests):
     _apply(tmp_path, m)
     text = (tmp_path / "tree/tests/test_op.py").read_text()
     assert "current_platform" not in text and "__main__" not in text
-    # the two import blocks are one now, as ruff's isort orders it
+    # the two import blocks are one now, as ruff's isort orders it (the
+    # comment above the block's first line stays at its top)
     head = text.split("\n\n\ndef test_op", 1)[0]
     assert head == (
-        "import os\n\nfrom tests.helpers import helper\n"
-        "# fast_op needs the platform checked first\n"
-        "from vllm.kernels import fast_op"
+        "# fast_op needs the platform checked first\nimport os\n\n"
+        "from tests.helpers import helper\nfrom vllm.kernels import fast_op"
     )
     _manifest(m, ["not current_platform.is_sm121()"])
     with pytest.raises(ToolError, match="matches 0 places"):
