@@ -34,7 +34,7 @@ def test_fork_command_builds_the_fork_wheels_with_only_the_tools_libraries():
     (command,) = _marked_bash_block("fork-command").strip().splitlines()
     steps = [step.strip() for step in command.split("&&")]
     assert steps[-1] == "python tools/build_fork_wheel.py"
-    assert "pip install libcst packaging wheel" in steps
+    assert "pip install libcst packaging wheel ruff==0.17.2" in steps
     assert "torch" not in command
 
 
