@@ -49,6 +49,9 @@ from vllm.model_executor.layers.quantization.utils.blockscale_checks import (
     check_blockscale_values,
     check_global_scales,
 )
+from vllm.model_executor.layers.quantization.utils.bounded_halves_swap import (
+    swap_halves_,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_w4a16_layout import (
     W4A16_TILE_N,
     w4a16_global_scale,
@@ -143,13 +146,7 @@ class B12xW4A16Weights:
                 return
             # [w3; w1] -> [w1; w3] by the half swap; the loader then writes
             # w1 first, and the [E, 2] global scales follow their rows.
-            # Imported when the step runs: flashinfer_fp4_moe imports the
-            # NVFP4 oracle, which imports the experts that import this layout.
-            from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (  # noqa: E501
-                reorder_w1w3_to_w3w1,
-            )
-
-            reorder_w1w3_to_w3w1(
+            swap_halves_(
                 layer.w13_weight,
                 layer.w13_weight_scale,
                 dim=-2,
