@@ -312,13 +312,16 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
            (``weight_prep_steps``; a RESTORING layer is restored first);
         3. once PREPARED, the kernel's views bound (the layout's ``bind``)
            and the layer's fingerprints recorded (the guard, as the block
-           ends): ``apply`` runs unchecked from then.
+           ends); then ``apply`` may run, unchecked.
         """
         with guarded_preparation(layer) as state:
             run_preparation_steps(layer, state, self.weights, step)
             if state.status is PrepStatus.PREPARED:
                 self.prepared = self.weights.bind(layer, state, self.prepared)
-                self._guard = (state, layer)
+        if state.status is PrepStatus.PREPARED:
+            # Recorded as the block ended: apply may run from here (before,
+            # e.g. after an interrupt in the record, it refuses).
+            self._guard = (state, layer)
 
     def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
         """The preparation of ``layer`` as named steps, in the order they run
