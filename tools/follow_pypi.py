@@ -42,8 +42,10 @@ def supported_problems(manifest: Manifest, pypi: dict) -> list[str]:
     for v, r in manifest.releases.items():
         files = _files(pypi, v)
         for name, sha in ((r.wheel, r.wheel_sha256), (r.sdist, r.sdist_sha256)):
-            if files.get(name) != sha:
-                out.append(f"{v}: {name}: PyPI has sha256 {files.get(name)}, not {sha}")
+            if name not in files:
+                out.append(f"{v}: {name}: no longer on PyPI")
+            elif files[name] != sha:
+                out.append(f"{v}: {name}: PyPI has sha256 {files[name]}, not {sha}")
     return out
 
 

@@ -45,6 +45,19 @@ def test_a_supported_release_whose_bytes_changed_on_pypi_fails(tmp_path, capsys)
     assert code == 1 and "0.33.0: vllm-0.33.0.tar.gz: PyPI has sha256 0000" in out.err
 
 
+def test_a_supported_release_file_gone_from_pypi_fails(tmp_path, capsys):
+    pypi = _pypi("0.34.0")
+    wheel = load_manifest().releases["0.33.0"].wheel
+    pypi["releases"]["0.33.0"] = [
+        f for f in pypi["releases"]["0.33.0"] if f["filename"] != wheel
+    ]
+    code, out = _run(tmp_path, capsys, pypi)
+    assert code == 1 and f"0.33.0: {wheel}: no longer on PyPI" in out.err
+    del pypi["releases"]["0.33.0"]  # the whole release yanked
+    code, out = _run(tmp_path, capsys, pypi)
+    assert code == 1 and "0.33.0: vllm-0.33.0.tar.gz: no longer on PyPI" in out.err
+
+
 def test_a_newer_release_is_reported_and_never_fails(tmp_path, capsys):
     pypi = _pypi("0.35.0")
     wheel = tmp_path / "vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -77,3 +90,36 @@ def test_drift_per_definition(tmp_path, plant, drifted):
     assert [n for p, n, s in rows if s == "drifted"] == drifted
     assert all(p == "vllm/ops.py" for p, n, s in rows)
     assert UPSTREAM  # the release the toy's hashes were recorded on
+
+
+def test_drift_is_measured_against_the_newest_supported_release(tmp_path):
+    # An older supported release that recorded other hashes (its own
+    # upstream source) does not count: the newest one's do.
+    import dataclasses
+
+    toy = Toy(tmp_path)
+    wheel = toy.wheel(tmp_path / "wheels")
+    (newest,) = toy.manifest.releases
+    older = "0.0.1"  # below the newest
+    files = tuple(
+        dataclasses.replace(
+            e,
+            sha256={
+                **e.sha256,
+                older: dict.fromkeys(e.sha256.get(newest, ()), "0" * 64),
+            },
+        )
+        for e in toy.manifest.files
+    )
+    releases = {**toy.manifest.releases, older: toy.manifest.releases[newest]}
+    two = dataclasses.replace(toy.manifest, releases=releases, files=files)
+    assert {s for p, n, s in drift_report(two, wheel)} == {"unchanged"}
+    # and the newest's hashes are read: change them, everything drifts
+    files = tuple(
+        dataclasses.replace(
+            e, sha256={newest: dict.fromkeys(e.sha256.get(newest, ()), "1" * 64)}
+        )
+        for e in toy.manifest.files
+    )
+    wrong = dataclasses.replace(toy.manifest, files=files)
+    assert {s for p, n, s in drift_report(wrong, wheel)} == {"drifted"}

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The installed vllm is 0.33.0 (or 0.33.0+label) beside FlashInfer 0.7.4,
-and every module of ``vllm.model_executor`` that imports in unmodified 0.33.0
-imports in it too."""
+"""The installed vllm is the release expected (``VLLM_UPSTREAM_RELEASE``, or
+that release +label) beside FlashInfer 0.7.4, and every module of
+``vllm.model_executor`` that imports in the unmodified release imports in it
+too."""
 
 import importlib.metadata
 import re
@@ -17,7 +18,7 @@ from upstream_env import (
 )
 
 # The modules this branch's change lives in or is reached through; the walk
-# is vacuous unless unmodified 0.33.0 imports them here.
+# is vacuous unless the unmodified release imports them here.
 NVFP4_MOE_MODULES = (
     "vllm.model_executor.layers.fused_moe.oracle.nvfp4",
     "vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe",
@@ -33,7 +34,7 @@ result = walk_imports("vllm.model_executor")
 """
 
 
-def test_installed_vllm_is_0_33_0_beside_flashinfer_0_7_4():
+def test_installed_vllm_is_the_release_beside_flashinfer_0_7_4():
     import flashinfer
 
     import vllm
@@ -46,7 +47,7 @@ def test_installed_vllm_is_0_33_0_beside_flashinfer_0_7_4():
 
 
 @pytest.mark.slow
-def test_model_executor_imports_everything_unmodified_0_33_0_imports(
+def test_model_executor_imports_everything_the_unmodified_release_imports(
     unmodified_upstream, upstream_measurements
 ):
     # One subprocess per side, both at once (one walk takes ~25 s).
