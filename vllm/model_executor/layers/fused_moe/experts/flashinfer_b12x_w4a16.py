@@ -203,7 +203,7 @@ class B12xW4A16Weights:
         self,
         layer: torch.nn.Module,
         state: MoEWeightPrepState,
-        previous: W4A16PackedWeights | None = None,
+        previous: object = None,
     ) -> W4A16PackedWeights:
         """The kernel's views of a prepared layer (no copy of a weight) and
         its per-expert global scales ([E] float32, copied into

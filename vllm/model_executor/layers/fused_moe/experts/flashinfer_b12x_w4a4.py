@@ -363,7 +363,7 @@ class B12xW4A4Weights:
         self,
         layer: torch.nn.Module,
         state: MoEWeightPrepState,
-        previous: B12xW4A4Tensors | None = None,
+        previous: object = None,
     ) -> B12xW4A4Tensors:
         """The kernel's views of a prepared layer (no copy of a weight), with
         the activation scales of ``quant_config`` (see :meth:`input_scales`);
