@@ -105,8 +105,14 @@ def test_an_interrupted_build_leaves_nothing_finished_and_reruns_cleanly(
     assert _finished(toy) == []
     assert not (toy.root / "build" / "1.0.0" / ".partial").exists()
     monkeypatch.undo()
-    # what a killed build leaves (no cleanup ran): removed by the next build
-    (toy.root / "build" / "1.0.0" / ".partial" / "upstream").mkdir(parents=True)
+    # what a killed build leaves (no cleanup ran): removed by the next build,
+    # a half-edited fork tree with a file of its own and a stale wheel among it
+    partial = toy.root / "build" / "1.0.0" / ".partial"
+    (partial / "upstream").mkdir(parents=True)
+    (partial / "fork" / "vllm").mkdir(parents=True)
+    (partial / "fork" / "vllm" / "ops.py").write_text("half = 'edited'\n")
+    (partial / "fork" / "vllm" / "stale.py").write_text("left = 'behind'\n")
+    (partial / f"{NAME}").write_bytes(b"an old wheel")
     (toy.root / "dist").mkdir()
     (toy.root / "dist" / f".{NAME}.partial").write_bytes(b"half")
     assert sha256(_build(toy)) == clean
