@@ -273,6 +273,28 @@ def test_a_loader_write_into_an_interrupted_restore_tears_the_layer():
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
 
 
+def test_direct_reload_accepts_an_interrupted_re_preparation():
+    # Interrupted after a reload, in its steps: what the record saw is no
+    # write (the first preparation's record describes other bytes), so a
+    # direct reload brings it back and prepares the new weights.
+    shape = UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old)
+    _load_through_loader(layer, new)
+    with RaiseAtCall() as counter:
+        _prepare(_layer(shape, new))
+    with pytest.raises(Interrupt), RaiseAtCall(counter.calls // 2):
+        _prepare(layer)
+    assert layer.weight_prep_state.status is PrepStatus.PREPARING
+    model = _model(layer)
+    check_prepared_reload(model)
+    assert begin_prepared_reload(model, direct=True) == 1
+    _load_through_loader(layer, old)
+    _prepare(layer)
+    finish_prepared_reload(model)
+    _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old)))
+
+
 # --- load_state_dict ----------------------------------------------------------------
 
 
