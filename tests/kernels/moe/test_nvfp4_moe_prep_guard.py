@@ -31,6 +31,9 @@ from tests.kernels.moe.utils import (
     quantize_experts_modelopt,
     split_cat_halves,
 )
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a4 import (
+    B12xW4A4Weights,
+)
 from vllm.model_executor.layers.fused_moe.fused_moe import fused_topk
 from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
@@ -448,3 +451,108 @@ def test_reorder_takes_weight_and_scale_adjacent_in_one_buffer():
     overlapping = buf[n_w - 1 : n_w - 1 + n_s].view(2, 8, 2)
     with pytest.raises(ValueError, match="must not share memory"):
         reorder_w1w3_to_w3w1(w, overlapping, max_transient_bytes=256)
+
+
+def test_reset_never_reuses_a_foreign_storage_for_a_block_scale():
+    # A prepared block scale replaced (param.data = ...) by a view, at an
+    # offset, of a buffer that is someone else's: the reset that follows
+    # gives it new storage; the reload writes none of the buffer's bytes.
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old)
+    param = layer.w13_weight_scale
+    n = param.numel()
+    buf = torch.full((n + 4096,), 0x5A, dtype=torch.uint8)
+    view = buf[64 : 64 + n].view(torch.float8_e4m3fn).view(param.shape)
+    view.copy_(param.detach())
+    param.data = view
+    before = buf.clone()
+    layer.quant_method.restore_load_layout(layer)  # replaced: torn, reset
+    assert layer.weight_prep_state.torn
+    scale = layer.w13_weight_scale
+    assert scale.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    _load_through_loader(layer, new)
+    assert torch.equal(buf, before)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+@pytest.mark.parametrize("quant_mode", QUANT_MODES)
+def test_interrupted_re_preparation_resumes_to_the_same_layer(quant_mode):
+    # A preparation after a reload, interrupted anywhere (in a step, the
+    # binding or the record): the retry finishes it. The record of the first
+    # preparation describes bytes the second one rewrote; it must not make
+    # the retry refuse them as modified in place.
+    shape = UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    kwargs = {"quant_mode": quant_mode}
+    fresh = _fresh(shape, new, **kwargs)
+    want, x, logits = _snapshot(fresh), *_io(shape)
+    out = fresh(x, logits)
+    layer = _fresh(shape, old, **kwargs)
+    _load_through_loader(layer, new)
+    with RaiseAtCall() as counter:
+        _prepare(layer)
+    for k in [*range(1, counter.calls, 7), counter.calls]:
+        layer = _fresh(shape, old, **kwargs)
+        _load_through_loader(layer, new)
+        with pytest.raises(Interrupt), RaiseAtCall(k):
+            _prepare(layer)
+        _prepare(layer)  # the retry
+        _assert_same(_snapshot(layer), want)
+        assert torch.equal(layer(x, logits), out)
+
+
+def test_an_interrupted_binding_leaves_the_layer_unrecorded(monkeypatch):
+    # The guard records a prepared layer only when its block ends normally:
+    # an interrupt in the binding leaves apply refusing and the retry binds.
+    shape = UNPADDED
+    tensors = _tensors(*shape, seed=1)
+    want = _snapshot(_fresh(shape, tensors))
+    layer = _layer(shape, tensors)
+
+    def interrupted(*args, **kwargs):
+        raise Interrupt("in the binding")
+
+    monkeypatch.setattr(B12xW4A4Weights, "bind", interrupted)
+    with pytest.raises(Interrupt):
+        _prepare(layer)
+    state = layer.weight_prep_state
+    assert state.status is PrepStatus.PREPARED
+    assert not state.ready and not state.fingerprints
+    with pytest.raises(RuntimeError, match="process_weights_after_loading"):
+        layer(*_io(shape))
+    monkeypatch.undo()
+    _assert_same(_snapshot(_prepare(layer)), want)
+    assert state.ready
+
+
+def test_the_experts_w4a4_fields_read_the_binding():
+    # w1_sf_mma, w2_sf_mma and _fc2_input_scale (what upstream's callers
+    # read) are the binding's own tensors, and None once it is dropped.
+    shape = UNPADDED
+    layer = _fresh(shape, _tensors(*shape, seed=1))
+    experts = layer.quant_method.moe_kernel.fused_experts
+    bound = experts.prepared
+    assert bound.fc1_input_scale is not None and bound.fc2_input_scale is not None
+    assert experts.w1_sf_mma is bound.w1_sf_mma
+    assert experts.w2_sf_mma is bound.w2_sf_mma
+    assert experts._fc2_input_scale is bound.fc2_input_scale
+    experts.drop_prepared()
+    assert experts.w1_sf_mma is None and experts._fc2_input_scale is None
+
+
+def test_restoring_a_converted_unprepared_layer_resets_it():
+    # Never prepared, then converted (layer.to): the restore gives the
+    # parameters the load layout's dtypes again, torn, so the reload that
+    # follows is a complete one.
+    shape = SHAPES[0]
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _layer(shape, old)
+    layer.to(torch.bfloat16)
+    layer.quant_method.restore_load_layout(layer)
+    assert layer.w13_weight_scale.dtype == torch.float8_e4m3fn
+    assert layer.w2_weight_scale_2.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="torn"):
+        _prepare(layer)
+    _load_through_loader(layer, new)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))

@@ -13,13 +13,20 @@ import pytest
 import torch
 
 import vllm.model_executor.layers.fused_moe.weight_prep_guard as guard
-from tests.kernels.moe.test_nvfp4_moe_prep_guard import QUANT_MODES, UNPADDED, _fresh
+from tests.kernels.moe.test_nvfp4_moe_prep_guard import (
+    QUANT_MODES,
+    UNPADDED,
+    _fresh,
+    _mixed,
+)
 from tests.kernels.moe.test_nvfp4_moe_prep_guard_loaders import (
     _load_through_param_loaders,
     _with_vllm_style_loaders,
 )
 from tests.kernels.moe.test_nvfp4_moe_prep_state import (
     SHAPES,
+    Interrupt,
+    RaiseAtCall,
     _assert_same,
     _io,
     _layer,
@@ -222,6 +229,70 @@ def test_a_param_weight_loader_write_is_refused_at_the_write():
     _load_through_param_loaders(layer, new)
     _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
     assert captured[2].data_ptr() == layer.w13_weight.data_ptr()
+
+
+def test_a_layer_repaired_after_a_loader_write_reloads_exactly_again():
+    # The write the reset forgave is not held against the repaired layer: a
+    # second preparation is a no-op and the next partial reload is exact
+    # (not torn again).
+    shape = UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _prepare(_with_vllm_style_loaders(_layer(shape, old)))
+    loader, w1 = layer.w13_weight.weight_loader, new["w13_weight"][0, : shape[2]]
+    with pytest.raises(RuntimeError, match="written through its weight_loader"):
+        loader(layer.w13_weight, w1, "w13_weight", "w1", 0)
+    layer.quant_method.restore_load_layout(layer)  # torn
+    _load_through_param_loaders(layer, new)
+    snap = _snapshot(_prepare(layer))
+    _assert_same(_snapshot(_prepare(layer)), snap)
+    _load_through_loader(layer, old, experts=[1])
+    assert not layer.weight_prep_state.torn
+    want = _fresh(shape, _mixed(new, old, [1]))
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(want))
+
+
+def test_a_loader_write_into_an_interrupted_restore_tears_the_layer():
+    # The preparation that resumes the restore finds the write: the bytes are
+    # a mix of the half-restored layout and the loader's, so the layer is
+    # torn (every shard again), never restored and prepared from them.
+    shape = UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _prepare(_with_vllm_style_loaders(_layer(shape, old)))
+    with RaiseAtCall() as counter:
+        layer.quant_method.restore_load_layout(layer)
+    layer = _prepare(_with_vllm_style_loaders(_layer(shape, old)))
+    with pytest.raises(Interrupt), RaiseAtCall(counter.calls // 2):
+        layer.quant_method.restore_load_layout(layer)
+    assert layer.weight_prep_state.status is PrepStatus.RESTORING
+    loader, w1 = layer.w13_weight.weight_loader, new["w13_weight"][0, : shape[2]]
+    with pytest.raises(RuntimeError, match="written through its weight_loader"):
+        loader(layer.w13_weight, w1, "w13_weight", "w1", 0)
+    with pytest.raises(RuntimeError, match="torn"):
+        _prepare(layer)
+    _load_through_param_loaders(layer, new)
+    _assert_same(_snapshot(_prepare(layer)), _snapshot(_fresh(shape, new)))
+
+
+def test_direct_reload_accepts_an_interrupted_re_preparation():
+    # Interrupted after a reload, in its steps: what the record saw is no
+    # write (the first preparation's record describes other bytes), so a
+    # direct reload brings it back and prepares the new weights.
+    shape = UNPADDED
+    old, new = _tensors(*shape, seed=1), _tensors(*shape, seed=2)
+    layer = _fresh(shape, old)
+    _load_through_loader(layer, new)
+    with RaiseAtCall() as counter:
+        _prepare(_layer(shape, new))
+    with pytest.raises(Interrupt), RaiseAtCall(counter.calls // 2):
+        _prepare(layer)
+    assert layer.weight_prep_state.status is PrepStatus.PREPARING
+    model = _model(layer)
+    check_prepared_reload(model)
+    assert begin_prepared_reload(model, direct=True) == 1
+    _load_through_loader(layer, old)
+    _prepare(layer)
+    finish_prepared_reload(model)
+    _assert_same(_snapshot(layer), _snapshot(_fresh(shape, old)))
 
 
 # --- load_state_dict ----------------------------------------------------------------

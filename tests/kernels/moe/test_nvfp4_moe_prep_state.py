@@ -435,3 +435,14 @@ def test_bad_scales_in_memory_are_refused_and_change_nothing(bad):
         param.data[index] = good
     want = _snapshot(_prepare(_layer(shape, tensors)))
     _assert_same(_snapshot(_prepare(layer)), want)
+
+
+def test_a_bad_global_scale_names_the_shard_of_a_w3w1_load():
+    # Loaded as [w3; w1] (w13_loaded_as_w3w1): column 0 holds w3's scale.
+    shape = SHAPES[0]
+    layer = _layer(shape, _tensors(*shape, seed=6))
+    layer.w13_loaded_as_w3w1 = True
+    with torch.no_grad():
+        layer.w13_weight_scale_2.data[1, 0] = NAN
+    with pytest.raises(ValueError, match=re.escape("of expert 1 (w3) is nan")):
+        _prepare(layer)

@@ -12,6 +12,9 @@ from tests.kernels.utils import DEVICES, bytes_of, random_bits
 from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
     DEFAULT_MAX_TRANSIENT_BYTES,
 )
+from vllm.model_executor.layers.quantization.utils.bounded_halves_swap import (
+    _bounce_buffer_bytes,
+)
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
@@ -263,3 +266,24 @@ def test_different_devices_rejected_on_cpu_with_meta():
     with pytest.raises(ValueError, match="same device.*cpu.*meta"):
         reorder_w1w3_to_w3w1(w, s)
     assert torch.equal(w, w0)
+
+
+def test_adjacent_weight_and_scale_of_one_buffer_are_accepted():
+    # Weight and scale packed back to back in one allocation share no byte:
+    # not refused as overlapping, each reordered exactly, the rest untouched.
+    buf = random_bits((8 * 64 + 8 * 8 + 16,), torch.uint8, "cpu", seed=3)
+    weight = buf[: 8 * 64].view(8, 8, 8)
+    scale = buf[8 * 64 : 8 * 64 + 8 * 8].view(8, 8, 1)
+    want_w, want_s = split_cat_halves(weight), split_cat_halves(scale)
+    tail = buf[8 * 64 + 8 * 8 :].clone()
+    reorder_w1w3_to_w3w1(weight, scale, max_transient_bytes=16)
+    assert torch.equal(weight, want_w) and torch.equal(scale, want_s)
+    assert torch.equal(buf[8 * 64 + 8 * 8 :], tail)
+
+
+@pytest.mark.parametrize("cap", [700, 1023, 1024, 300])
+def test_bounce_buffer_fits_the_cap_as_the_allocator_counts(cap):
+    # CUDA rounds a block up to 512 bytes: a 700-byte buffer would count as
+    # 1024, past the cap; below 512 the cap itself (no smaller block).
+    size = _bounce_buffer_bytes([1 << 20], torch.device("cpu"), cap)
+    assert size == {700: 512, 1023: 512, 1024: 1024, 300: 300}[cap]

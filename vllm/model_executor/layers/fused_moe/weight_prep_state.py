@@ -115,8 +115,12 @@ class MoEWeightPrepState:
         self.lock = threading.RLock()
 
     def begin(self, status: PrepStatus) -> None:
-        """Enter PREPARING, RESTORING or LOADING: a new list of steps."""
+        """Enter PREPARING, RESTORING or LOADING: a new list of steps. The
+        record of the last preparation (fingerprints, checksums) is dropped:
+        the new steps rewrite the bytes it describes, so a check between
+        them and the next record would refuse the layer's own writes."""
         self.ready = False
+        self.fingerprints, self.checksums = {}, {}
         self.status = status
         self.done = []
         self.progress = {}
