@@ -31,7 +31,6 @@ from typing import Any, Protocol
 
 import torch
 
-from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
     changed_parameters,
 )
@@ -42,6 +41,7 @@ from vllm.model_executor.layers.fused_moe.weight_prep_state import (
 from vllm.model_executor.layers.quantization.utils.nvfp4_moe_load_layout import (
     RestorableLayout,
     check_load_layout,
+    failed_restore_reason,
     load_layout_ok,
     reset_load_layout,
     restore_or_reset,
@@ -55,7 +55,6 @@ __all__ = [
     "run_preparation_steps",
 ]
 
-logger = init_logger(__name__)
 
 #: A named preparation step.
 PrepStep = tuple[str, Callable[[], None]]
@@ -218,12 +217,6 @@ def restore_load_layout(
                 else:
                     _finish_started_step(layer, state, weights)
             except Exception as err:  # noqa: BLE001 - the layer is reset, torn
-                logger.warning(
-                    "restoring the MoE layer's load layout failed (%s); the "
-                    "layer needs a complete reload",
-                    err,
-                )
-                why = f"restoring the load layout failed: {err}"
-                reset_load_layout(weights, layer, state, why)
+                reset_load_layout(weights, layer, state, failed_restore_reason(err))
                 return
         restore_or_reset(weights, layer, state)

@@ -32,6 +32,7 @@ __all__ = [
     "RestorableLayout",
     "check_load_layout",
     "expert_param_specs",
+    "failed_restore_reason",
     "restore_or_reset",
     "has_storage_room",
     "load_layout_data",
@@ -177,6 +178,16 @@ def check_load_layout(layer: torch.nn.Module, moe: FusedMoEConfig) -> None:
         )
 
 
+def failed_restore_reason(err: Exception) -> str:
+    """Log a restore that failed with ``err``; the reason the reset records."""
+    logger.warning(
+        "restoring the MoE layer's load layout failed (%s); the layer needs a "
+        "complete reload",
+        err,
+    )
+    return f"restoring the load layout failed: {err}"
+
+
 def reset_load_layout(
     weights: RestorableLayout,
     layer: torch.nn.Module,
@@ -236,11 +247,6 @@ def restore_or_reset(
             try:
                 weights.restore_load_layout(layer, state)
             except Exception as err:  # noqa: BLE001 - the layer is reset, torn
-                logger.warning(
-                    "restoring the MoE layer's load layout failed (%s); the "
-                    "layer needs a complete reload",
-                    err,
-                )
-                why = f"restoring the load layout failed: {err}"
+                why = failed_restore_reason(err)
         if why:
             reset_load_layout(weights, layer, state, why)
