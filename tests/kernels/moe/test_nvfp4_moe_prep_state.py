@@ -446,3 +446,44 @@ def test_a_bad_global_scale_names_the_shard_of_a_w3w1_load():
         layer.w13_weight_scale_2.data[1, 0] = NAN
     with pytest.raises(ValueError, match=re.escape("of expert 1 (w3) is nan")):
         _prepare(layer)
+
+
+class FailAtCall(TorchFunctionMode):
+    """Raise RuntimeError (an Exception: a failing kernel, not an interrupt)
+    instead of running the ``k``-th torch call."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.k, self.calls = k, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        if self.calls == self.k:
+            raise RuntimeError(f"failed at call {self.k}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_a_restore_whose_completion_of_the_preparation_fails_tears_the_layer(k):
+    # W4A16's inverse needs an interrupted preparation completed first: when
+    # that completion fails, the layer is reset and torn (refused until a
+    # complete reload), never left half-way with the exception escaping.
+    shape = SHAPES[2]
+    tensors = _tensors(*shape, seed=3)
+    layer = _layer(shape, tensors, quant_mode="w4a16")
+    n = _count_calls(lambda: _prepare(_layer(shape, tensors, quant_mode="w4a16")))
+    with pytest.raises(Interrupt), RaiseAtCall(n // 2):
+        _prepare(layer)
+    state = layer.weight_prep_state
+    assert state.status is PrepStatus.PREPARING
+    with FailAtCall(k):
+        layer.quant_method.restore_load_layout(layer)
+    assert state.status is PrepStatus.LOADING
+    assert state.torn and "restoring the load layout failed" in state.torn_reason
+    with pytest.raises(RuntimeError, match="torn"):
+        _prepare(layer)
+    _load_through_loader(layer, tensors)  # a complete reload
+    _assert_same(
+        _snapshot(_prepare(layer)),
+        _snapshot(_prepare(_layer(shape, tensors, quant_mode="w4a16"))),
+    )
