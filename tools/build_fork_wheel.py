@@ -22,7 +22,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 from fork_branch import apply_branch
-from fork_manifest import Manifest, Release, load_manifest
+from fork_manifest import Manifest, load_manifest
 from tool_cli import ROOT, ToolError, command, parser, run
 
 __all__ = ["build_release", "main", "rewrite_metadata"]
@@ -37,11 +37,11 @@ def rewrite_metadata(text: str, version: str, requirements: dict[str, str]) -> s
     everything else byte for byte. ToolError when one is not there."""
     head, sep, body = text.partition("\n\n")
     wanted = {canonicalize_name(Requirement(r).name): r for r in requirements.values()}
-    lines, found = [], set()
-    for line in head.split("\n"):
+    lines, found = head.split("\n"), set()
+    for i, line in enumerate(lines):
         key, _, value = line.partition(": ")
         if key == "Version":
-            line = f"Version: {version}"
+            lines[i] = f"Version: {version}"
         elif key == "Requires-Dist":
             try:
                 old = Requirement(value)
@@ -50,29 +50,16 @@ def rewrite_metadata(text: str, version: str, requirements: dict[str, str]) -> s
             if (name := canonicalize_name(old.name)) in wanted:
                 new = Requirement(wanted[name])
                 new.marker = new.marker or old.marker
-                line, found = f"Requires-Dist: {new}", found | {name}
-        lines.append(line)
+                lines[i], found = f"Requires-Dist: {new}", found | {name}
     if missing := sorted(set(wanted) - found):
         raise ToolError(f"the release's METADATA has no Requires-Dist on {missing[0]}")
     return "\n".join(lines) + sep + body
 
 
-def _rewrite(path: Path, text: str) -> None:
+def _rewrite(path: Path, edit) -> None:
+    text = edit(path.read_text(encoding="utf-8"))
     path.unlink()  # hard-linked to the upstream copy: write a new file
     path.write_text(text, encoding="utf-8")
-
-
-def _set_version(fork: Path, release: Release, version: str) -> None:
-    """Rename the .dist-info, rewrite METADATA and vllm/_version.py."""
-    info = fork / f"vllm-{release.version}.dist-info"
-    text = (info / "METADATA").read_text(encoding="utf-8")
-    _rewrite(info / "METADATA", rewrite_metadata(text, version, release.requirements))
-    (info / "RECORD").unlink()  # wheel pack writes it anew
-    info.rename(fork / f"vllm-{version}.dist-info")
-    if (path := fork / "vllm" / "_version.py").is_file():
-        pattern = rf"(version\s*=\s*)(['\"]){re.escape(release.version)}\2"
-        text = path.read_text(encoding="utf-8")
-        _rewrite(path, re.sub(pattern, rf"\g<1>\g<2>{version}\g<2>", text))
 
 
 def build_release(
@@ -92,20 +79,31 @@ def build_release(
     name = f"vllm-{new_version}-{tags}.whl"
     source = release.fetch("wheel", work / "download", [wheel] if wheel else [])
     final, python = work / version, [sys.executable, "-m", "wheel"]
-    partial = final / ".partial"
+    partial, fork = final / ".partial", final / ".partial" / "fork"
     shutil.rmtree(partial, ignore_errors=True)  # what an interrupted build left
     partial.mkdir(parents=True)
     try:
         print(f"unpacking {source.name}")
         run([*python, "unpack", str(source), "-d", str(partial)], "wheel unpack")
         (partial / f"vllm-{version}").rename(partial / "upstream")
-        shutil.copytree(partial / "upstream", partial / "fork", copy_function=os.link)
-        report = apply_branch(partial / "fork", version, repo=repo, manifest=manifest)
+        shutil.copytree(partial / "upstream", fork, copy_function=os.link)
+        report = apply_branch(fork, version, repo=repo, manifest=manifest)
         print("\n".join(f"  {line}" for line in report.lines))
-        _set_version(partial / "fork", release, new_version)
+        info = fork / f"vllm-{version}.dist-info"
+        _rewrite(
+            info / "METADATA",
+            lambda t: rewrite_metadata(t, new_version, release.requirements),
+        )
+        (info / "RECORD").unlink()  # wheel pack writes it anew
+        info.rename(fork / f"vllm-{new_version}.dist-info")
+        pattern = rf"(version\s*=\s*)(['\"]){re.escape(version)}\2"
+        if (fork / "vllm" / "_version.py").is_file():
+            _rewrite(
+                fork / "vllm" / "_version.py",
+                lambda t: re.sub(pattern, rf"\g<1>\g<2>{new_version}\g<2>", t),
+            )
         print(f"packing {name}")
-        pack = [*python, "pack", str(partial / "fork"), "-d", str(partial)]
-        run(pack, "wheel pack", env=_EPOCH)
+        run([*python, "pack", str(fork), "-d", str(partial)], "wheel pack", _EPOCH)
         (packed,) = partial.glob("*.whl")
         for part in ("upstream", "fork"):  # the finished trees, then the wheel
             shutil.rmtree(final / part, ignore_errors=True)

@@ -24,11 +24,12 @@ from pathlib import Path
 from fork_manifest import load_manifest
 from tool_cli import ROOT, ToolError, command, parser, run
 
-__all__ = ["AUTHOR", "BRANCH", "build_release", "check_disk", "git", "imports_from"]
-__all__ += ["install", "precompiled"]
+__all__ = ["AUTHOR", "BRANCH", "build_release", "check_disk", "git", "install"]
+__all__ += ["precompiled", "source_tree", "switch_install"]
 
 BRANCH, WIP = "nvfp4moe", "nvfp4moe-wip"
 AUTHOR = "vLLM NVFP4 MoE branch <nvfp4-moe-branch@users.noreply.github.com>"
+BUILD = ROOT / "build" / "source"
 # Measured on a fresh clone (du, 2026-12-03): per release its sdist, wheel and
 # git tree (0.34.0's with the compiled parts: 49 + 228 + 631 MB); the venv.
 NEED_PER_RELEASE, NEED_VENV = 900 << 20, 3 << 30
@@ -63,10 +64,10 @@ def _unpack(sdist: Path, version: str, tree: Path, author: str) -> None:
     top = partial / f"vllm-{version}"
     if not (top / "PKG-INFO").is_file():
         raise ToolError(f"{sdist}: no vllm-{version}/PKG-INFO, not vLLM's sdist")
-    env = _identity(author, int((top / "PKG-INFO").stat().st_mtime))
     git(top, "init", "-q")
     git(top, "symbolic-ref", "HEAD", f"refs/heads/{WIP}")
     git(top, "add", "-f", "-A")
+    env = _identity(author, int((top / "PKG-INFO").stat().st_mtime))
     git(top, "commit", "-q", "-m", f"vLLM {version} (source release)", env=env)
     git(top, "tag", f"v{version}")
     os.replace(top, tree)
@@ -87,8 +88,7 @@ def _check_ours(tree: Path, version: str, author: str) -> None:
         raise ToolError(f"{tree} has changes not made by this command ({n}); {FRESH}")
     tip = BRANCH if git(tree, "branch", "--list", BRANCH) else tag
     ancestor = ["git", "-C", str(tree), "merge-base", "--is-ancestor", "HEAD", tip]
-    detached_on_it = head == "HEAD" and not subprocess.run(ancestor).returncode
-    if head != BRANCH and not detached_on_it:
+    if head != BRANCH and (head != "HEAD" or subprocess.run(ancestor).returncode):
         raise ToolError(f"{tree} has {head} checked out, not {BRANCH}; {FRESH}")
     log = git(tree, "log", "--format=%an <%ae>%n%cn <%ce>", f"{tag}..{tip}")
     if set(log.splitlines()) - {author}:
@@ -131,19 +131,12 @@ def _patches(tree: Path, version: str, dist: Path, author: str) -> Path:
         try:
             patches = sorted(map(str, out.glob("*.patch")))
             git(am, "am", "-q", "--keep-cr", *patches, env=_identity(author, 0))
-            if git(am, "rev-parse", "HEAD^{tree}") != git(
-                tree, "rev-parse", "HEAD^{tree}"
-            ):
+            same = {git(t, "rev-parse", "HEAD^{tree}") for t in (am, tree)}
+            if len(same) != 1:
                 raise ToolError(f"git am of {out} onto v{version} gives another tree")
         finally:
             git(tree, "worktree", "remove", "--force", str(am))
     return out
-
-
-def _pip(*args: str, env: dict | None = None) -> None:
-    cmd = [sys.executable, "-m", "pip", *args]
-    if subprocess.run(cmd, env={**os.environ, **(env or {})}).returncode:
-        raise ToolError(f"pip {' '.join(args[:2])} ... failed (see above)")
 
 
 def precompiled(wheel: Path, version: str) -> dict:
@@ -162,21 +155,38 @@ def install(tree: Path, wheel: Path, version: str, requirements=()) -> None:
     resolving into the tree is checked."""
     if sys.prefix == sys.base_prefix:
         raise ToolError("not in a virtual environment: make .venv-source (README)")
-    if requirements:
-        reqs = [ROOT / "requirements/source-cpu.txt", *requirements]
-        _pip("install", "-q", *(f"-r{r}" for r in reqs))
-    env = precompiled(wheel, f"{version}+cpu")
-    _pip("install", "-q", "--no-build-isolation", "--no-deps", "-e", str(tree), env=env)
+    pip = [sys.executable, "-m", "pip", "install", "-q"]
+    reqs = [ROOT / "requirements/source-cpu.txt", *requirements]
+    editable = [*pip, "--no-build-isolation", "--no-deps", "-e", str(tree)]
+    for cmd, env in (
+        ([*pip, *(f"-r{r}" for r in reqs)] if requirements else [], {}),
+        (editable, precompiled(wheel, f"{version}+cpu")),
+    ):
+        if cmd and subprocess.run(cmd, env={**os.environ, **env}).returncode:
+            raise ToolError(f"pip {' '.join(cmd[3:5])} ... failed (see above)")
     git(tree, "checkout", "-q", "--", "vllm/_version.py")  # setuptools-scm's
-    if not imports_from(tree):
+    if not _imports_from(tree):
         raise ToolError(f"import vllm does not give {tree}'s after installing it")
 
 
-def imports_from(tree: Path) -> bool:
-    """Whether ``import vllm`` in this venv gives ``tree``'s."""
+def _imports_from(tree: Path) -> bool:
     probe = [sys.executable, "-c", "import vllm; print(vllm.__file__)"]
     found = subprocess.run(probe, capture_output=True, text=True, cwd="/").stdout
     return Path(found.strip()) == tree.resolve() / "vllm" / "__init__.py"
+
+
+def source_tree(version: str, build: Path = BUILD) -> Path:
+    """build/source/vllm-<V>, made by this command, or ToolError."""
+    tree = build / f"vllm-{version}"
+    if not (tree / ".git").is_dir() or not any(build.glob(f"vllm-{version}-*.whl")):
+        raise ToolError(f"no {tree}: run tools/build_source_branch.py")
+    return tree
+
+
+def switch_install(tree: Path, version: str) -> None:
+    """The editable install follows ``tree`` (nothing to do if it does)."""
+    if not _imports_from(tree):
+        install(tree, next(tree.parent.glob(f"vllm-{version}-*.whl")), version)
 
 
 def build_release(
@@ -193,8 +203,7 @@ def build_release(
 ) -> tuple[Path, Path, Path]:
     """(tree, release wheel, patches folder) of ``version``, built or rebuilt
     (``apply``: tools/fork_branch.py's apply_branch unless given)."""
-    release = manifest.release(version)
-    tree = build / f"vllm-{version}"
+    release, tree = manifest.release(version), build / f"vllm-{version}"
     if tree.exists() and fresh:
         shutil.rmtree(tree)
     elif tree.exists():
@@ -229,7 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-install", action="store_true", help="no editable install")
     p.add_argument("--author", default=AUTHOR, help="of the commits: Name <email>")
     args = p.parse_args(argv)
-    build = ROOT / "build" / "source"
 
     def body() -> None:
         if shutil.which("git") is None:
@@ -238,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         manifest = load_manifest()
         versions = args.release or list(manifest.releases)
-        check_disk(build, versions, not args.no_install)
-        kw = dict(manifest=manifest, build=build, dist=ROOT / "dist", local=args.local)
+        check_disk(BUILD, versions, not args.no_install)
+        kw = dict(manifest=manifest, build=BUILD, dist=ROOT / "dist", local=args.local)
         built = []
         for v in versions:
             tree, wheel, patches = build_release(

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import build_source_branch as bsb
 from fork_manifest import load_manifest
-from tool_cli import ROOT, ToolError, command, parser
+from tool_cli import ToolError, command, parser
 
 __all__ = ["QUICK", "SELECTION", "compare", "outcomes", "regressions"]
 
@@ -46,7 +46,7 @@ SELECTION = QUICK + (
     "quantization/test_modelopt.py",
     "quantization/test_compressed_tensors.py",
 )
-BAD = ("failed", "error")
+BAD, KINDS = ("failed", "error"), ("passed", "failed", "error", "skipped")
 
 
 def outcomes(junit: Path) -> dict[str, str]:
@@ -70,8 +70,8 @@ def regressions(tag: dict[str, str], rev: dict[str, str]) -> list[str]:
     lines = []
     for test in sorted(tag.keys() | rev.keys()):
         a, b = tag.get(test, "absent"), rev.get(test, "absent")
-        ran, new_bad = a in BAD, a == "absent" and b != "skipped"
-        bad = a == "passed" or (ran and b == "skipped") or (new_bad and b != "passed")
+        new_bad = a == "absent" and b not in ("skipped", "passed")
+        bad = a == "passed" or (a in BAD and b == "skipped") or new_bad
         lines += [f"{'!' if bad else ' '} {test}: {a} -> {b}"] if a != b else []
     return lines
 
@@ -90,25 +90,33 @@ def _run(tree: Path, rev: str, files: list[str], junit: Path) -> dict[str, str]:
     return outcomes(junit)
 
 
+def _counts(found: dict[str, str]) -> str:
+    said = ", ".join(f"{list(found.values()).count(k)} {k}" for k in KINDS)
+    return f"{len(found)} tests: {said}"
+
+
 def compare(tree: Path, version: str, selection: Sequence, out: Path) -> int:
     """Print the tag-to-branch changes of ``tree``, and each earlier commit's
     own test files' failures; the number of regressions."""
     tag, start, bad = f"v{version}", time.monotonic(), 0
     revs = bsb.git(tree, "rev-list", "--reverse", f"{tag}..{bsb.BRANCH}").split()
     out.mkdir(parents=True, exist_ok=True)
+
+    def own(rev: str) -> list[str]:  # its test files, relative to tests/
+        diff = bsb.git(tree, "diff", "--name-only", tag, rev, "--", "tests/*.py")
+        return [f.removeprefix("tests/") for f in diff.split()]
+
     try:
         for i, rev in enumerate(revs[:-1], start=1):  # its own tests pass
-            own = bsb.git(tree, "diff", "--name-only", tag, rev, "--", "tests/*.py")
-            if not own:
-                print(f"vllm {version} commit {i} {rev[:10]}: no tests of its own")
+            where = f"vllm {version} commit {i} {rev[:10]}"
+            if not (files := own(rev)):
+                print(f"{where}: no tests of its own")
                 continue
-            got = _run(tree, rev, [f[6:] for f in own.split()], out / f"commit{i}.xml")
+            got = _run(tree, rev, files, out / f"commit{i}.xml")
             lines = [f"! {t}: {o}" for t, o in sorted(got.items()) if o in BAD]
             bad += len(lines)
-            print(f"vllm {version} commit {i} {rev[:10]}: its own {_counts(got)}")
-            print("\n".join(lines), end="\n" if lines else "", flush=True)
-        own = bsb.git(tree, "diff", "--name-only", tag, bsb.BRANCH, "--", "tests/*.py")
-        files = [*selection, *(f[6:] for f in own.split())]
+            print(f"{where}: its own {_counts(got)}", *lines, sep="\n", flush=True)
+        files = [*selection, *own(bsb.BRANCH)]
         base = _run(tree, tag, files, out / f"{tag}.xml")
         got = _run(tree, bsb.BRANCH, files, out / f"{bsb.BRANCH}.xml")
         lines = regressions(base, got)
@@ -122,40 +130,23 @@ def compare(tree: Path, version: str, selection: Sequence, out: Path) -> int:
     return bad
 
 
-def _counts(found: dict[str, str]) -> str:
-    kinds = ("passed", "failed", "error", "skipped")
-    return f"{len(found)} tests: " + ", ".join(
-        f"{list(found.values()).count(k)} {k}" for k in kinds
-    )
-
-
-def _switch(tree: Path, version: str) -> None:
-    """The editable install follows ``tree`` (nothing to do if it does)."""
-    if not bsb.imports_from(tree):
-        bsb.install(tree, next(tree.parent.glob(f"vllm-{version}-*.whl")), version)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="QUICK, not SELECTION")
     args = p.parse_args(argv)
-    build = ROOT / "build" / "source"
 
     def body() -> int:
-        bad, versions = 0, args.release or list(load_manifest().releases)
-        for v in versions:  # all there before the install is switched
-            tree = build / f"vllm-{v}"
-            if not (tree / ".git").is_dir() or not any(build.glob(f"vllm-{v}-*.whl")):
-                raise ToolError(f"no {tree}: run tools/build_source_branch.py")
+        versions = args.release or list(load_manifest().releases)
+        trees = {v: bsb.source_tree(v) for v in versions}  # before any switch
+        bad = 0
         try:
-            for v in versions:
-                tree = build / f"vllm-{v}"
-                _switch(tree, v)
+            for v, tree in trees.items():
+                bsb.switch_install(tree, v)
                 selection = QUICK if args.quick else SELECTION
-                bad += compare(tree, v, selection, build / "compare" / v)
+                bad += compare(tree, v, selection, bsb.BUILD / "compare" / v)
         finally:  # back to the tree the README installs
-            if (build / "vllm-0.34.0" / ".git").is_dir():
-                _switch(build / "vllm-0.34.0", "0.34.0")
+            if (bsb.BUILD / "vllm-0.34.0" / ".git").is_dir():
+                bsb.switch_install(bsb.BUILD / "vllm-0.34.0", "0.34.0")
         return 1 if bad else 0
 
     return command("compare_upstream_tests", body)

@@ -42,10 +42,13 @@ def supported_problems(manifest: Manifest, pypi: dict) -> list[str]:
     for v, r in manifest.releases.items():
         files = _files(pypi, v)
         for name, sha in ((r.wheel, r.wheel_sha256), (r.sdist, r.sdist_sha256)):
-            if name not in files:
-                out.append(f"{v}: {name}: no longer on PyPI")
-            elif files[name] != sha:
-                out.append(f"{v}: {name}: PyPI has sha256 {files[name]}, not {sha}")
+            if files.get(name) != sha:
+                has = (
+                    f"PyPI has sha256 {files[name]}, not {sha}"
+                    if name in files
+                    else "no longer on PyPI"
+                )
+                out.append(f"{v}: {name}: {has}")
     return out
 
 
@@ -62,15 +65,14 @@ def drift_report(manifest: Manifest, wheel: Path) -> list[tuple[str, str, str]]:
             try:
                 module = cst.parse_module(z.read(path).decode("utf-8"))
             except KeyError:
-                out += [(path, name, "gone") for name in hashes]
-                continue
+                module = None
             for name, want in hashes.items():
                 try:
-                    same = source_hash(module, name) == want
-                except ToolError:
-                    same = None
-                state = {True: "unchanged", False: "drifted", None: "gone"}[same]
-                out.append((path, name, state))
+                    got = source_hash(module, name) if module else None
+                except ToolError:  # not found, or defined twice
+                    got = None
+                same = {None: "gone", want: "unchanged"}.get(got, "drifted")
+                out.append((path, name, same))
     return out
 
 
@@ -88,8 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             with urllib.request.urlopen(PYPI, timeout=60) as response:
                 pypi = json.load(response)
         try:
-            latest = pypi["info"]["version"]
-            problems = supported_problems(manifest, pypi)
+            latest, problems = (
+                pypi["info"]["version"],
+                supported_problems(manifest, pypi),
+            )
         except (KeyError, TypeError) as exc:
             raise ToolError(f"PyPI's JSON lacks {exc}") from None
         if latest in manifest.releases:
@@ -99,10 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = ours.wheel.replace(ours.version, latest, 1)
             if name not in (files := _files(pypi, latest)):
                 raise ToolError(f"PyPI has no {name} for vllm {latest}")
-            release = Release(latest, name, files[name])
             with tempfile.TemporaryDirectory() as tmp:
                 local = [args.wheel] if args.wheel else []
-                rows = drift_report(manifest, release.fetch("wheel", Path(tmp), local))
+                wheel = Release(latest, name, files[name]).fetch(
+                    "wheel", Path(tmp), local
+                )
+                rows = drift_report(manifest, wheel)
             drifted = [f"{n} ({p})" for p, n, s in rows if s != "unchanged"]
             kept = [n for p, n, s in rows if s == "unchanged"]
             print(f"{latest}: not supported yet (the newest supported: {ours.version})")

@@ -51,7 +51,7 @@ def _read(path: Path, who: str) -> str:
 def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package):
     """The file's text with the entry applied, and the upstream definitions
     the branch's code in it reads (relied on)."""
-    up0 = up = fc.parse(text, who)
+    up = fc.parse(text, who)
     branch_text = _read(repo / e.src, f"{who}: the branch's file")
     br, bwho = fc.parse(branch_text, e.src), f"the branch's {e.src}"
     nodes = []
@@ -83,12 +83,8 @@ def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package)
             raise ToolError(f"{who}: the branch's code reads {n}; upstream {theirs}")
         elif b == ("def",):
             relied.add(n)
-    up = fc.add_imports(up, wanted)
-    if e.replace or e.drop or e.drop_if or e.edits:  # these can leave imports unused
-        up = fc.drop_unused_imports(up0, up)
-    out = up.code
-    if wanted or e.drop_if:  # new imports; the two blocks around a dropped `if`
-        out = fc.sort_imports(out, e.path, package, who)
+    up = fc.drop_unused_imports(fc.add_imports(up, wanted), e.path)
+    out = fc.sort_imports(up.code, e.path, package, who)
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
 
 
@@ -135,7 +131,6 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
     if check:
         manifest.release(version)
     tree, repo = Path(tree), Path(repo)
-    entries = manifest.entries(prs, source, version)
     report, hashes, texts, recorded = BranchReport(version), {}, {}, {}
     placed: dict[str, set[str]] = {}  # top-level names the branch puts in a file
     for e in manifest.files:  # a file's hashes, in whichever of its entries
@@ -144,50 +139,46 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             q for q in (*e.replace, *e.add) if "." not in q
         )
 
-    def drift(path: str, module: cst.Module, name: str, why: str) -> None:
-        who = f"vllm {version}: {path}: {name}"
-        got = hashes.setdefault((path, name), fc.source_hash(module, name, who))
-        want = recorded[path].get(name)
-        if check and want is None:
-            raise ToolError(f"{who}: no sha256 recorded ({why})")
-        if check and got != want:
-            raise ToolError(
-                f"{who}: upstream's source changed (sha256 {got[:12]}, the "
-                f"branch was written against {want[:12]})"
-            )
+    def drift(path: str, text: str, names, why: str) -> None:
+        module = fc.parse(text, path) if names else None
+        for name in sorted(names):
+            who = f"vllm {version}: {path}: {name}"
+            got = hashes.setdefault((path, name), fc.source_hash(module, name, who))
+            want = recorded[path].get(name)
+            if check and want is None:
+                raise ToolError(f"{who}: no sha256 recorded ({why})")
+            if check and got != want:
+                raise ToolError(
+                    f"{who}: upstream's source changed (sha256 {got[:12]}, the "
+                    f"branch was written against {want[:12]})"
+                )
 
+    entries, why = manifest.entries(prs, source, version), "the branch changes it"
     for e in entries:  # every hash of upstream's own text, before any change
-        who = f"vllm {version}: {e.path}"
         if (tree / e.path).exists() == e.new:
             there = "already has this file" if e.new else "has no such file"
-            raise ToolError(f"{who}: the release {there}")
-        names = sorted({*e.changed, *e.sha256.get(version, {})})
+            raise ToolError(f"vllm {version}: {e.path}: the release {there}")
         if not e.new:
-            text = texts.setdefault(e.path, _read(tree / e.path, who))
-            module = fc.parse(text, who) if names else None
-            for name in names:
-                drift(e.path, module, name, "the branch changes it")
+            text = texts.setdefault(e.path, _read(tree / e.path, f"vllm {version}"))
+            drift(e.path, text, {*e.changed, *e.sha256.get(version, {})}, why)
+    pristine = dict(texts)
     for e in entries:
         who = f"vllm {version}: {e.path}"
         if e.new:
             texts[e.path] = _read(repo / e.src, f"{who}: the branch's file")
             report.lines.append(f"{e.path}: new")
             continue
-        pristine = texts[e.path]
         texts[e.path], relied = _apply_entry(
-            e, pristine, repo, who, placed[e.path], manifest.package
+            e, texts[e.path], repo, who, placed[e.path], manifest.package
         )
-        module = fc.parse(pristine, who) if relied else None
-        for name in sorted(relied):
-            drift(e.path, module, name, "the branch relies on it")
+        drift(e.path, pristine[e.path], relied, "the branch relies on it")
         done = [
             f"{k} {', '.join(getattr(e, k))}"
             for k in ("replace", "add", "drop", "drop_if", "envs")
             if getattr(e, k)
         ]
-        report.lines.append(
-            f"{e.path}: {'; '.join(done + [f'edit {x.inside}' for x in e.edits])}"
-        )
+        done += [f"edit {x.inside}" for x in e.edits]
+        report.lines.append(f"{e.path}: {'; '.join(done)}")
     bk = manifest.buildkite
     if source and bk and (prs is None or bk["pr"] in prs):
         upto = [p.id for p in manifest.prs]
@@ -203,9 +194,8 @@ def _run(tree, version, repo, prs, source, manifest, check: bool):
             try:
                 compile(text, path, "exec", dont_inherit=True)
             except SyntaxError as exc:
-                raise ToolError(
-                    f"vllm {version}: {path}: line {exc.lineno}: {exc.msg}"
-                ) from None
+                where = f"vllm {version}: {path}: line {exc.lineno}"
+                raise ToolError(f"{where}: {exc.msg}") from None
             if problem := _missing_import(path, text, texts, tree, manifest.package):
                 raise ToolError(f"vllm {version}: {problem}")
     return texts, report, hashes

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Definitions in Python source, found, hashed and edited with libcst: the
-branch's edits of one upstream file, its imports kept as ruff's isort has them.
+"""Definitions in Python source found, hashed and edited with libcst; imports
+added and pruned by libcst's codemods, sorted by ruff's isort (upstream's pin).
 
 Names are "f", "C" or "C.m" ("C.__doc__": a class's docstring); an anchor is
 source text matched by structure (comments and whitespace aside).
@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import hashlib
 import io
-import re
 import sys
 import textwrap
 import tokenize
@@ -20,6 +19,8 @@ from collections.abc import Sequence
 
 import libcst as cst
 import libcst.matchers as m
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 
 from fork_manifest import Edit
 from tool_cli import ToolError, run
@@ -51,18 +52,16 @@ def _binds(stmt: cst.CSTNode, first: bool = False) -> str | None:
     """The name a definition statement binds ("__doc__" for a docstring)."""
     if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
         return stmt.name.value
-    if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1:
-        s = stmt.body[0]
-        if isinstance(s, cst.Assign) and len(s.targets) == 1:
-            s = s.targets[0]
-        if isinstance(s, (cst.AssignTarget, cst.AnnAssign)):
-            return s.target.value if isinstance(s.target, cst.Name) else None
-        if first and isinstance(s, cst.Expr) and isinstance(s.value, cst.SimpleString):
-            return "__doc__"
-    return None
+    s = stmt.body[0] if isinstance(stmt, cst.SimpleStatementLine) else None
+    if isinstance(s, cst.Assign) and len(s.targets) == 1:
+        s = s.targets[0]
+    if isinstance(s, (cst.AssignTarget, cst.AnnAssign)):
+        return s.target.value if isinstance(s.target, cst.Name) else None
+    docstring = isinstance(s, cst.Expr) and isinstance(s.value, cst.SimpleString)
+    return "__doc__" if first and docstring else None
 
 
-def _names_of(body: Sequence[cst.CSTNode]) -> list[str | None]:
+def _names(body: Sequence[cst.CSTNode]) -> list[str | None]:
     return [_binds(s, i == 0) for i, s in enumerate(body)]
 
 
@@ -71,12 +70,13 @@ def find(module: cst.Module, qualname: str, who: str) -> cst.CSTNode:
     for part in qualname.split("."):
         hits = [
             s
-            for s, n in zip(_body(node), _names_of(_body(node)), strict=True)
+            for s, n in zip(_body(node), _names(_body(node)), strict=True)
             if n == part
         ]
         if len(hits) != 1:
-            found = "defined twice" if hits else "not found"
-            raise ToolError(f"{who}: {qualname}: {found}")
+            raise ToolError(
+                f"{who}: {qualname}: {'defined twice' if hits else 'not found'}"
+            )
         node = hits[0]
     return node
 
@@ -84,12 +84,13 @@ def find(module: cst.Module, qualname: str, who: str) -> cst.CSTNode:
 def source_hash(module: cst.Module, qualname: str, who: str = "") -> str:
     """sha256 of a definition's tokens: its source normalised only for
     whitespace (line breaks inside brackets, spacing; indentation kept)."""
-    lines = io.StringIO(code(find(module, qualname, who))).readline
-    skip = {tokenize.NL, tokenize.ENDMARKER}
+    tokens = tokenize.generate_tokens(
+        io.StringIO(code(find(module, qualname, who))).readline
+    )
     text = " ".join(
         t.string if t.string.strip() else tokenize.tok_name[t.type]
-        for t in tokenize.generate_tokens(lines)
-        if t.type not in skip
+        for t in tokens
+        if t.type not in (tokenize.NL, tokenize.ENDMARKER)
     )
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -105,22 +106,18 @@ def _shape(text: str, statement: bool) -> str:
     return ast.dump(ast.parse(f"(\n{text}\n)", mode="eval"))
 
 
-def match(
-    node: cst.CSTNode, text: str, who: str, statement: bool = False, of_if=False
-) -> cst.CSTNode:
+def match(node, text: str, who: str, statement=False, of_if=False) -> cst.CSTNode:
     """The one node under ``node`` with ``text``'s structure, comments and
     whitespace aside (``of_if``: the ``if`` statement whose test it is)."""
     try:
-        kind = type(
-            cst.parse_statement(text) if statement else cst.parse_expression(text)
-        )
+        parsed = cst.parse_statement(text) if statement else cst.parse_expression(text)
         want = _shape(text, statement)
     except (cst.ParserSyntaxError, SyntaxError):
         raise ToolError(f"{who}: {text!r} does not parse") from None
 
     def hit(n: cst.CSTNode) -> bool:
-        part = n.test if of_if and isinstance(n, cst.If) else None if of_if else n
-        return type(part) is kind and _shape(code(part), statement) == want
+        part = (n.test if isinstance(n, cst.If) else None) if of_if else n
+        return type(part) is type(parsed) and _shape(code(part), statement) == want
 
     hits = m.findall(node, m.MatchIfTrue(hit))
     if len(hits) != 1:
@@ -163,78 +160,68 @@ def reads(*nodes: cst.CSTNode) -> set[str]:
     return v.names
 
 
-class _Swap(cst.CSTTransformer):
-    """Replace nodes by identity: {id(old node): new node or sentinel}."""
-
-    def __init__(self, swaps: dict) -> None:
-        super().__init__()
-        self.swaps = swaps
-
-    def on_leave(self, old, new):
-        return self.swaps.get(id(old), new)
-
-
-def _imports(module: cst.Module) -> list:
-    """Module-level import lines (with those under ``if TYPE_CHECKING:``)."""
-    tc = [s for s in module.body if isinstance(s, cst.If)]
-    tc = [s.body.body for s in tc if code(s.test) == "TYPE_CHECKING"]
-    return [s for s in [*module.body, *(tc[0] if tc else ())] if _is_import(s)]
-
-
-def _alias_names(alias: cst.ImportAlias) -> tuple[str, str]:
-    full = code(alias.name)
-    return full, code(alias.asname.name) if alias.asname else full.split(".")[0]
-
-
 def bindings(module: cst.Module) -> dict[str, tuple[str, ...]]:
-    """name -> ("import", module or "", name) or ("def",), module level."""
+    """name -> ("import", module or "", name) or ("def",), module level
+    (imports under ``if TYPE_CHECKING:`` too)."""
     out: dict[str, tuple[str, ...]] = {}
-    for s in _imports(module):
-        imp = s.body[0]
-        mod = code(imp.module) if isinstance(imp, cst.ImportFrom) else ""
-        for a in () if isinstance(imp.names, cst.ImportStar) else imp.names:
-            full, bound = _alias_names(a)
-            out[bound] = ("import", mod, full if mod or a.asname else bound)
-    for n in _names_of(module.body):
+    tree = ast.parse(module.code)
+    checking = [
+        s
+        for s in tree.body
+        if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
+    ]
+    for s in [*tree.body, *(checking[0].body if checking else ())]:
+        mod = "" if isinstance(s, ast.Import) else getattr(s, "module", None)
+        for a in s.names if mod is not None and not getattr(s, "level", 0) else ():
+            bound = a.asname or a.name.split(".")[0]
+            out[bound] = ("import", mod, a.name if mod or a.asname else bound)
+    for n in _names(module.body):
         out.setdefault(n, ("def",))
     return out
 
 
-def _is_import(s: cst.CSTNode) -> bool:
-    return isinstance(s, cst.SimpleStatementLine) and isinstance(
-        s.body[0], (cst.Import, cst.ImportFrom)
-    )
-
-
-def _from(s: cst.CSTNode) -> str | None:
-    """The module of a module-level ``from <module> import`` line."""
-    imp = s.body[0] if _is_import(s) else None
-    is_from = isinstance(imp, cst.ImportFrom) and imp.module and not imp.relative
-    return code(imp.module) if is_from else None
+def _checking(module: cst.Module) -> list:
+    """The statements under ``if TYPE_CHECKING:``, module level."""
+    ifs = [s for s in module.body if isinstance(s, cst.If)]
+    return [x for s in ifs if code(s.test) == "TYPE_CHECKING" for x in s.body.body]
 
 
 def add_imports(module: cst.Module, wanted: dict) -> cst.Module:
-    """Add the bindings ``wanted`` (bound name -> binding), an import line
-    each, after upstream's import from the same module, else after the first
-    run of imports; :func:`sort_imports` then places them as ruff does."""
+    """``module`` importing the bindings ``wanted`` (bound name -> binding)."""
+    ctx = CodemodContext()
     for bound, (_, mod, full) in sorted(wanted.items()):
         plain = full if mod else full.split(".")[0]
-        name = full if bound == plain else f"{full} as {bound}"
-        new = cst.parse_statement(
-            f"from {mod} import {name}" if mod else f"import {name}"
+        alias = None if bound == plain else bound
+        AddImportsVisitor.add_needed_import(
+            ctx, mod or full, full if mod else None, alias
         )
-        body = list(module.body)
-        runs = [k for k, s in enumerate(body) if _is_import(s)]
-        i = next((k + 1 for k in runs if mod and _from(body[k]) == mod), None)
-        if i is None and runs:
-            i = runs[0]
-            while i < len(body) and _is_import(body[i]):
-                i += 1
-        elif i is None:  # the first import: after the docstring
-            i = int(bool(body) and _binds(body[0], True) == "__doc__")
-            new = new.with_changes(leading_lines=[cst.EmptyLine(indent=False)] * i)
-        module = module.with_changes(body=[*body[:i], new, *body[i:]])
-    return module
+    body = list(AddImportsVisitor(ctx).transform_module(module).body)
+    if len(body) > 1 and _binds(body[0], True) == "__doc__":  # ruff format's
+        body[1] = body[1].with_changes(
+            leading_lines=body[1].leading_lines or [cst.EmptyLine()]
+        )
+    return module.with_changes(body=body)
+
+
+def drop_unused_imports(module: cst.Module, path: str) -> cst.Module:
+    """``module`` (of the file ``path``) without the module-level imports
+    nothing reads (upstream's files have none: its ruff selects F401), each
+    with its comment lines. A new first statement keeps only its comments:
+    the header holds the blank lines."""
+    dotted = path.removesuffix(".py").replace("/", ".")
+    package, name = dotted.rpartition(".")[0], dotted.removesuffix(".__init__")
+    ctx = CodemodContext(full_module_name=name, full_package_name=package)
+    for s in [*module.body, *_checking(module)]:
+        node = s.body[0] if isinstance(s, cst.SimpleStatementLine) else None
+        if isinstance(node, (cst.Import, cst.ImportFrom)) and not (
+            isinstance(node.names, cst.ImportStar) or code(node).startswith("from __")
+        ):
+            RemoveImportsVisitor.remove_unused_import_by_node(ctx, node)
+    body = list(RemoveImportsVisitor(ctx).transform_module(module).body)
+    if body:
+        notes = [ln for ln in body[0].leading_lines if ln.comment]
+        body[0] = body[0].with_changes(leading_lines=notes)
+    return module.with_changes(body=body)
 
 
 def sort_imports(text: str, path: str, package: str, who: str) -> str:
@@ -247,35 +234,6 @@ def sort_imports(text: str, path: str, package: str, who: str) -> str:
     return run([*cmd, "-"], f"{who}: ruff's import sorting", input=text, strip=False)
 
 
-def drop_unused_imports(before: cst.Module, after: cst.Module) -> cst.Module:
-    """Remove the imported names upstream's file read and the edited one no
-    longer does (``__all__``'s strings count as reads). A new first statement
-    keeps only its comments above it: the header holds the blank lines."""
-
-    def used(m: cst.Module) -> set[str]:
-        names = reads(m)
-        for s in (s for s in m.body if _binds(s) == "__all__"):
-            names |= set(re.findall(r"[\"'](\w+)[\"']", code(s)))
-        return names
-
-    gone, swaps = used(before) - used(after), {}
-    for s in _imports(after):
-        imp = s.body[0]
-        if isinstance(imp.names, cst.ImportStar) or code(imp).startswith("from __"):
-            continue
-        keep = [a for a in imp.names if _alias_names(a)[1] not in gone]
-        if not keep:
-            swaps[id(s)] = cst.RemovalSentinel.REMOVE
-        elif len(keep) < len(imp.names):
-            keep[-1] = keep[-1].with_changes(comma=imp.names[-1].comma)
-            swaps[id(imp)] = imp.with_changes(names=keep)
-    body = list(after.visit(_Swap(swaps)).body)
-    if body:
-        notes = [ln for ln in body[0].leading_lines if ln.comment]
-        body[0] = body[0].with_changes(leading_lines=notes)
-    return after.with_changes(body=body)
-
-
 def add_definition(
     up: cst.Module, br: cst.Module, qualname: str, who: str
 ) -> cst.Module:
@@ -283,20 +241,23 @@ def add_definition(
     statement upstream has too (else after the previous one, else last)."""
     parent, _, name = qualname.rpartition(".")
     u_parent = find(up, parent, who) if parent else up
-    b_parent = find(br, parent, who) if parent else br
-    node = find(br, qualname, who)
-    u_body, b_names = list(_body(u_parent)), _names_of(_body(b_parent))
-    u_names = _names_of(u_body)
+    b_body = _body(find(br, parent, who) if parent else br)
+    u_body, u_names, b_names = (
+        list(_body(u_parent)),
+        _names(_body(u_parent)),
+        _names(b_body),
+    )
     if name in u_names:
         raise ToolError(f"{who}: {qualname}: upstream defines it: replace it")
-    i = [s is node for s in _body(b_parent)].index(True)
+    node = find(br, qualname, who)
+    i = [s is node for s in b_body].index(True)
     later = [u_names.index(n) for n in b_names[i + 1 :] if n in u_names]
     earlier = [u_names.index(n) + 1 for n in b_names[:i] if n in u_names]
-    u_body.insert((later or [earlier[-1] if earlier else len(u_body)])[0], node)
+    u_body.insert((later or earlier[-1:] or [len(u_body)])[0], node)
     if not parent:
         return up.with_changes(body=u_body)
-    body = u_parent.body.with_changes(body=u_body)
-    return up.deep_replace(u_parent, u_parent.with_changes(body=body))
+    new = u_parent.with_changes(body=u_parent.body.with_changes(body=u_body))
+    return up.deep_replace(u_parent, new)
 
 
 def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
@@ -313,11 +274,10 @@ def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
             ]
         else:
             block = parse(textwrap.dedent(e.code), who)
-            first = block.body[0]
-            new = [
-                first.with_changes(leading_lines=[*block.header, *first.leading_lines])
-            ]
-            new += block.body[1:]
+            new = list(block.body)
+            new[0] = new[0].with_changes(
+                leading_lines=[*block.header, *new[0].leading_lines]
+            )
         seq = [*new, anchor] if e.kind == "insert_before" else [anchor, *new]
         return up.deep_replace(anchor, cst.FlattenSentinel(seq)), reads(*new)
     if e.kind == "replace":
@@ -338,29 +298,31 @@ def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
 
 
 def _env_parts(text: str, who: str) -> tuple:
-    """(the ``environment_variables`` dict, its entries by name, the
-    ``if TYPE_CHECKING:`` block, its annotations by name), by ast."""
+    """The ``environment_variables`` dict, its entries by name, and the
+    ``if TYPE_CHECKING:`` block with its annotations by name (ast)."""
     body = ast.parse(text).body
-    named = [
+    d = [
         s.value
         for s in body
         if isinstance(s, (ast.Assign, ast.AnnAssign))
-        and "environment_variables"
-        in {ast.unparse(t) for t in getattr(s, "targets", [getattr(s, "target", None)])}
+        and ast.unparse(getattr(s, "target", None) or s.targets[0])
+        == "environment_variables"
     ]
     tc = [
         s
         for s in body
         if isinstance(s, ast.If) and ast.unparse(s.test) == "TYPE_CHECKING"
     ]
-    if not named or not isinstance(named[0], ast.Dict) or not tc:
+    if not d or not isinstance(d[0], ast.Dict) or not tc:
         raise ToolError(f"{who}: no environment_variables dict or TYPE_CHECKING block")
-    d, tc = named[0], tc[0]
-    entries = {
-        getattr(k, "value", None): (k, v) for k, v in zip(d.keys, d.values, strict=True)
+    keys = {
+        getattr(k, "value", None): (k, v)
+        for k, v in zip(d[0].keys, d[0].values, strict=True)
     }
-    anns = {ast.unparse(s.target): s for s in tc.body if isinstance(s, ast.AnnAssign)}
-    return d, entries, tc, anns
+    anns = {
+        ast.unparse(s.target): s for s in tc[0].body if isinstance(s, ast.AnnAssign)
+    }
+    return d[0], keys, tc[0], anns
 
 
 def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
@@ -376,11 +338,10 @@ def env_entries(text: str, branch: str, names: Sequence[str], who: str) -> str:
         if n in ukeys or n not in bkeys or n not in banns:
             where = "upstream has" if n in ukeys else "the branch's file lacks"
             raise ToolError(f"{who}: {where} {n} or its annotation")
-        (key, value) = bkeys[n]
-        first = key.lineno
+        first = bkeys[n][0].lineno
         while bl[first - 2].lstrip().startswith("#"):
             first -= 1
-        entries += bl[first - 1 : value.end_lineno]
+        entries += bl[first - 1 : bkeys[n][1].end_lineno]
         anns += bl[banns[n].lineno - 1 : banns[n].end_lineno]
     last = ud.values[-1]
     if not ul[last.end_lineno - 1][last.end_col_offset :].lstrip().startswith(","):
@@ -399,11 +360,13 @@ def buildkite_dependencies(text: str, step: str, paths: Sequence[str], who: str)
         raise ToolError(f"{who}: step {step} found {len(keys)} times, not once")
     indent = lines[keys[0]][: -len(lines[keys[0]].lstrip())]
     i = keys[0] + 1
-    while i < len(lines) and lines[i].startswith(indent):
-        if lines[i] == f"{indent}source_file_dependencies:\n":
-            break
+    while (
+        i < len(lines)
+        and lines[i].startswith(indent)
+        and lines[i] != f"{indent}source_file_dependencies:\n"
+    ):
         i += 1
-    else:
+    if i == len(lines) or not lines[i].startswith(indent):
         raise ToolError(f"{who}: step {step} has no source_file_dependencies")
     deps, i = [], i + 1
     while i < len(lines) and lines[i].startswith(f"{indent}- "):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import tomllib
+from packaging.utils import parse_wheel_filename
 
 from tool_cli import ROOT, ToolError, run
 
@@ -50,10 +51,10 @@ class Release:
             target.unlink()  # an interrupted or broken download
         hits = [p / name if p.is_dir() else p for p in map(Path, local)]
         if hit := next((p for p in hits if p.name == name and p.is_file()), None):
-            source = str(hit)
+            source, part = str(hit), target.with_suffix(".part")
             out.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(hit, target.with_suffix(".part"))
-            os.replace(target.with_suffix(".part"), target)
+            shutil.copyfile(hit, part)
+            os.replace(part, target)
         if not target.is_file():
             print(f"downloading {name} with pip", flush=True)
             cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps"]
@@ -61,10 +62,10 @@ class Release:
             if kind == "sdist":  # pip runs setup.py (torch) for the metadata
                 cmd += ["--no-binary", ":all:", "--no-build-isolation"]
             else:
-                tag = name.removesuffix(".whl").split("-")  # ...-cp38-abi3-plat
+                tag = next(iter(parse_wheel_filename(name)[3]))
                 cmd += ["--only-binary", ":all:", "--implementation", "cp"]
-                cmd += ["--python-version", tag[-3][2:], "--abi", tag[-2]]
-                cmd += ["--platform", tag[-1], "--ignore-requires-python"]
+                cmd += ["--python-version", tag.interpreter[2:], "--abi", tag.abi]
+                cmd += ["--platform", tag.platform, "--ignore-requires-python"]
             env = {"VLLM_TARGET_DEVICE": "empty", "VLLM_VERSION_OVERRIDE": self.version}
             run(cmd, f"pip download vllm=={self.version}", env=env)
         if not target.is_file():
@@ -113,11 +114,11 @@ class FileEntry:
     replace: tuple[str, ...] = ()
     add: tuple[str, ...] = ()
     drop: tuple[str, ...] = ()
+    drop_if: tuple[str, ...] = ()  # module-level `if`s, by their test
     edits: tuple[Edit, ...] = ()
     envs: tuple[str, ...] = ()
     sha256: dict[str, dict[str, str]] = field(default_factory=dict)
     releases: tuple[str, ...] = ()  # only these (a file not in every release)
-    drop_if: tuple[str, ...] = ()  # module-level `if`s, by their test
 
     @property
     def changed(self) -> list[str]:
@@ -142,9 +143,7 @@ class Manifest:
             raise ToolError(f"vllm {version} is not supported ({supported} are)")
         return self.releases[version]
 
-    def entries(
-        self, prs: Sequence[str] | None = None, source=False, version=None
-    ) -> list[FileEntry]:
+    def entries(self, prs=None, source=False, version=None) -> list[FileEntry]:
         """The entries of ``prs`` (None: all), in order; tests/ and .buildkite/
         paths only for a source tree; with ``version``, only that release's."""
         known = [p.id for p in self.prs]
@@ -159,7 +158,9 @@ class Manifest:
         ]
 
 
-def _table(d: object, where: str, need: set[str], may: frozenset = frozenset()) -> dict:
+def _table(
+    d: object, where: str, need: set[str], may: set | frozenset = frozenset()
+) -> dict:
     if not isinstance(d, dict):
         raise ToolError(f"{where}: must be a table")
     if bad := sorted(need - d.keys()) or sorted(d.keys() - need - may):
@@ -167,8 +168,8 @@ def _table(d: object, where: str, need: set[str], may: frozenset = frozenset()) 
     return d
 
 
-def _keys(cls: type, *but: str) -> set[str]:
-    return {f.name for f in fields(cls)} - set(but)
+def _keys(cls: type) -> set[str]:
+    return {f.name for f in fields(cls)}
 
 
 def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
@@ -179,9 +180,8 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         raise ToolError(f"{path}: {exc}") from None
     need = {"package", "local_label", "releases", "prs"}
     top = _table(data, Path(path).name, need, {"files", "buildkite"})
-    keys, file_keys = _keys(Release, "version"), _keys(FileEntry, "path", "pr")
     releases = {
-        v: Release(v, **_table(r, f"releases.{v}", keys))
+        v: Release(v, **_table(r, f"releases.{v}", _keys(Release) - {"version"}))
         for v, r in top["releases"].items()
     }
     prs, files = [], []
@@ -191,7 +191,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         files += [FileEntry(f, p["id"], f, new=True) for f in p.get("new", ())]
     order = [p.id for p in prs]
     for f in top.get("files", ()):
-        f = _table(f, "files", {"path", "pr"}, file_keys)
+        f = _table(f, "files", {"path", "pr"}, _keys(FileEntry))
         if f["pr"] not in order:
             raise ToolError(f"files {f['path']}: no PR {f['pr']!r}")
         if unknown := set(f.get("releases", ())) - set(releases):
@@ -199,14 +199,20 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         edits = []
         for e in f.get("edits", ()):
             kind = next((k for k in _EDITS if k in e), "insert_before")
-            where, may = f"files {f['path']}", {"code", "take", "within"}
-            e = _table(e, where, {"in", kind}, may)
-            args = (e.get("code", ""), e.get("take", ""), e.get("within", ""))
-            edits.append(Edit(kind, e["in"], e[kind], *args))
-        lists = {k: tuple(f.get(k, ())) for k in file_keys - {"src", "new"}}
-        lists |= {"edits": tuple(edits), "sha256": f.get("sha256", {})}
-        src, new = f.get("src", f["path"]), bool(f.get("new"))
-        files.append(FileEntry(f["path"], f["pr"], src, new, **lists))
+            e = _table(
+                e, f"files {f['path']}", {"in", kind}, {"code", "take", "within"}
+            )
+            edits.append(
+                Edit(
+                    kind,
+                    e["in"],
+                    e[kind],
+                    *(e.get(k, "") for k in ("code", "take", "within")),
+                )
+            )
+        kw = {k: tuple(v) if isinstance(v, list) else v for k, v in f.items()}
+        kw |= {"edits": tuple(edits), "src": f.get("src", f["path"])}
+        files.append(FileEntry(**kw))
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed
     if (bk := top.get("buildkite")) is not None:
         _table(bk, "buildkite", {"pr", "file", "step"})

@@ -22,15 +22,14 @@ import yaml
 
 import build_source_branch as bsb
 from fork_manifest import load_manifest
-from tool_cli import ROOT, ToolError, command, parser
+from tool_cli import ToolError, command, parser
 
 __all__ = ["HOOKS", "STEP", "gates"]
 
 STEP = (".buildkite/test_areas/kernels.yaml", "kernels-moe-test")
-# hook: its command; PY (the Python files) or ALL or TESTS (tests/ and
-# .buildkite/ files, as check_test_tethering's `files` pattern) appended.
+# hook: its command and the files it takes: PY (the Python files), ALL, or
+# TESTS (tests/ and .buildkite/ files, as check_test_tethering's pattern).
 PY, ALL, TESTS = "py", "all", "tests"
-_CHECKS = "spdx_header forbidden_imports torch_cuda init_lazy_imports test_tethering"
 HOOKS = {
     "ruff check": (["ruff", "check", "--output-format", "concise"], PY),
     "ruff format": (["ruff", "format", "--check"], PY),
@@ -38,21 +37,21 @@ HOOKS = {
     "mypy": ([sys.executable, "tools/pre_commit/mypy.py", "3.11"], PY),
     **{
         f"check_{n}": ([sys.executable, f"tools/pre_commit/check_{n}.py"], PY)
-        for n in _CHECKS.split()
+        for n in ["spdx_header", "forbidden_imports", "torch_cuda", "init_lazy_imports"]
     },
+    "check_test_tethering": (
+        [sys.executable, "tools/pre_commit/check_test_tethering.py"],
+        TESTS,
+    ),
 }
-HOOKS["check_test_tethering"] = (HOOKS["check_test_tethering"][0], TESTS)
 
 
 def _findings(tree: Path, rev: str, changed: list[str]) -> dict[str, list[str]]:
     """{hook: what it printed if it failed} at ``rev``, on the files there."""
     bsb.git(tree, "checkout", "-q", rev)
     files = [f for f in changed if (tree / f).is_file()]
-    pick = {
-        ALL: files,
-        PY: [f for f in files if f.endswith(".py")],
-        TESTS: [f for f in files if f.startswith(("tests/", ".buildkite/"))],
-    }
+    pick = {ALL: files, PY: [f for f in files if f.endswith(".py")]}
+    pick[TESTS] = [f for f in files if f.startswith(("tests/", ".buildkite/"))]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     out = {}
     for name, (cmd, kind) in HOOKS.items():
@@ -60,8 +59,12 @@ def _findings(tree: Path, rev: str, changed: list[str]) -> dict[str, list[str]]:
             [*cmd, *pick[kind]], cwd=tree, capture_output=True, text=True, env=env
         )
         said = (run.stdout + run.stderr).splitlines() if run.returncode else []
-        out[name] = [line for line in said if line.strip()]
+        out[name] = [s for s in said if s.strip()]
     return out
+
+
+def _key(line: str) -> str:  # a finding, wherever its line moved
+    return re.sub(r":\d+(:\d+)?:", ":", line).strip()
 
 
 def gates(tree: Path, version: str) -> list[tuple[str, list[str], int]]:
@@ -75,8 +78,8 @@ def gates(tree: Path, version: str) -> list[tuple[str, list[str], int]]:
         bsb.git(tree, "checkout", "-q", branch)
     results = []
     for name, lines in after.items():
-        old = {re.sub(r":\d+(:\d+)?:", ":", s).strip() for s in before[name]}
-        new = [s for s in lines if re.sub(r":\d+(:\d+)?:", ":", s).strip() not in old]
+        old = {_key(s) for s in before[name]}
+        new = [s for s in lines if _key(s) not in old]
         results.append((name, new, len(lines) - len(new)))
     fmt = "%h %s|%an <%ae>|%(trailers:key=Signed-off-by,valueonly)"
     log = bsb.git(tree, "log", f"--format={fmt}", f"{tag}..{branch}").splitlines()
@@ -84,7 +87,10 @@ def gates(tree: Path, version: str) -> list[tuple[str, list[str], int]]:
     unsigned = [
         f"not signed off: {c}" for c, who, signed in commits if who not in signed
     ]
-    steps = yaml.safe_load((tree / STEP[0]).read_text())["steps"]
+    try:
+        steps = yaml.safe_load((tree / STEP[0]).read_text())["steps"]
+    except yaml.YAMLError as exc:
+        raise ToolError(f"{tree / STEP[0]}: {exc}") from None
     (deps,) = [s["source_file_dependencies"] for s in steps if s.get("key") == STEP[1]]
     missed = [
         f"not covered: {f}"
@@ -100,14 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         failed = 0
         for v in args.release or load_manifest().releases:
-            tree = ROOT / "build" / "source" / f"vllm-{v}"
-            if not (tree / ".git").is_dir():
-                raise ToolError(f"no {tree}: run tools/build_source_branch.py")
-            try:
-                found = gates(tree, v)
-            except yaml.YAMLError as exc:
-                raise ToolError(f"{tree / STEP[0]}: {exc}") from None
-            for name, new, old in found:
+            for name, new, old in gates(bsb.source_tree(v), v):
                 failed += bool(new)
                 also = f" ({old} lines also at the tag: upstream's)" if old else ""
                 print(f"vllm {v} {name}: {'FAILED' if new else 'passed'}{also}")

@@ -12,7 +12,7 @@ import pytest
 from tests.tools.fork_fixtures import BUILDKITE, FILES, UPSTREAM, Toy, dedent
 
 from fork_branch import apply_branch, main
-from fork_cst import add_imports, sort_imports
+from fork_cst import add_imports, drop_unused_imports, sort_imports
 from fork_manifest import load_manifest
 from tool_cli import ToolError
 
@@ -383,3 +383,29 @@ def test_an_entry_for_some_releases_only(toy):
 def test_imports_are_placed_as_ruffs_isort_places_them(before, wanted, after):
     added = add_imports(cst.parse_module(before), wanted).code
     assert sort_imports(added, "vllm/x.py", "vllm", "x") == after
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        (  # the comment above an import goes with it; the header's blank stays
+            "# header\n\nimport os\n\n# after the guard\nimport sys\n\nX = 1\n",
+            "# header\n\nX = 1\n",
+        ),
+        (  # one name of several; relative and TYPE_CHECKING imports alike
+            "from .x import a, b\nfrom .c import d\n\nif TYPE_CHECKING:\n"
+            "    from vllm.e import F\n\n\ndef g(x: 'F'):\n    return b\n",
+            "from .x import b\n\nif TYPE_CHECKING:\n    from vllm.e import F\n\n\n"
+            "def g(x: 'F'):\n    return b\n",
+        ),
+        (  # __all__ reads, __future__ and * imports stay
+            "from __future__ import annotations\n\nfrom vllm.a import *\n"
+            "from vllm.b import c\n\n__all__ = ['c']\n",
+            None,
+        ),
+    ],
+)
+def test_imports_nothing_reads_are_dropped_with_their_comments(before, after):
+    module = cst.parse_module(before)
+    got = drop_unused_imports(module, "vllm/pkg/mod.py").code
+    assert got == (before if after is None else after)
