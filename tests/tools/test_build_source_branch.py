@@ -299,3 +299,26 @@ def test_the_readmes_commands_are_one_line_and_name_files_that_exist(marker, too
     for requirements in re.findall(r"-r (\S+)", command):
         assert (ROOT / requirements).is_file(), requirements
     assert (ROOT / tool.split()[-1]).is_file()
+
+
+def test_the_compare_and_gates_commands_find_a_tree_this_made_or_say_so(
+    tmp_path, monkeypatch
+):
+    tree = tmp_path / f"vllm-{V}"
+    for made in ("nothing", "tree", "tree and wheel"):
+        if made == "tree":
+            (tree / ".git").mkdir(parents=True)
+        elif made == "tree and wheel":
+            (tmp_path / f"vllm-{V}-py3-none-any.whl").write_bytes(WHEEL)
+            assert bsb.source_tree(V, build=tmp_path) == tree
+            break
+        with pytest.raises(ToolError, match=f"no {tree}: run tools/build_source"):
+            bsb.source_tree(V, build=tmp_path)
+    installed = []
+    monkeypatch.setattr(bsb, "install", lambda *a: installed.append(a))
+    monkeypatch.setattr(bsb, "_imports_from", lambda t: t == tree)
+    bsb.switch_install(tree, V)  # already the tree's: nothing installed
+    other = tmp_path / "vllm-9.8.0"
+    (tmp_path / "vllm-9.8.0-py3-none-any.whl").write_bytes(WHEEL)
+    bsb.switch_install(other, "9.8.0")
+    assert installed == [(other, tmp_path / "vllm-9.8.0-py3-none-any.whl", "9.8.0")]
