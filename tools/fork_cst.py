@@ -125,39 +125,15 @@ def match(node, text: str, who: str, statement=False, of_if=False) -> cst.CSTNod
     return hits[0]
 
 
-class _Reads(cst.CSTVisitor):
-    """The names code reads (not attribute names, keywords, parameters)."""
-
-    def __init__(self) -> None:
-        self.names: set[str] = set()
-
-    def visit_Name(self, node: cst.Name) -> None:
-        self.names.add(node.value)
-
-    def visit_Attribute(self, node: cst.Attribute) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Arg(self, node: cst.Arg) -> bool:
-        node.value.visit(self)
-        return False
-
-    def visit_Param(self, node: cst.Param) -> bool:
-        for n in (node.annotation, node.default):
-            n and n.visit(self)
-        return False
-
-    def visit_Import(self, node: cst.CSTNode) -> bool:
-        return False
-
-    visit_ImportFrom = visit_Import
-
-
 def reads(*nodes: cst.CSTNode) -> set[str]:
-    v = _Reads()
+    """The names code reads or assigns (ast's: not attribute names, keywords,
+    parameters, imports or the names of definitions)."""
+    names: set[str] = set()
     for n in nodes:
-        n.visit(v)
-    return v.names
+        expression = isinstance(n, cst.BaseExpression)
+        tree = ast.parse(f"(\n{code(n)}\n)" if expression else code(n))
+        names |= {x.id for x in ast.walk(tree) if isinstance(x, ast.Name)}
+    return names
 
 
 def bindings(module: cst.Module) -> dict[str, tuple[str, ...]]:
