@@ -301,24 +301,42 @@ def test_the_readmes_commands_are_one_line_and_name_files_that_exist(marker, too
     assert (ROOT / tool.split()[-1]).is_file()
 
 
-def test_the_compare_and_gates_commands_find_a_tree_this_made_or_say_so(
-    tmp_path, monkeypatch
-):
+def test_a_source_tree_is_one_with_git_and_its_wheel(tmp_path):
     tree = tmp_path / f"vllm-{V}"
-    for made in ("nothing", "tree", "tree and wheel"):
-        if made == "tree":
-            (tree / ".git").mkdir(parents=True)
-        elif made == "tree and wheel":
-            (tmp_path / f"vllm-{V}-py3-none-any.whl").write_bytes(WHEEL)
-            assert bsb.source_tree(V, build=tmp_path) == tree
-            break
-        with pytest.raises(ToolError, match=f"no {tree}: run tools/build_source"):
-            bsb.source_tree(V, build=tmp_path)
+    (tree / ".git").mkdir(parents=True)
+    missing = rf"no {re.escape(str(tree))}: run tools/build_source_branch\.py"
+    with pytest.raises(ToolError, match=missing):
+        bsb.source_tree(V, tmp_path)  # no wheel
+    wheel = tmp_path / f"vllm-{V}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    assert bsb.source_tree(V, tmp_path) == tree
+    (tree / ".git").rmdir()
+    with pytest.raises(ToolError, match=missing):
+        bsb.source_tree(V, tmp_path)
+
+
+def test_the_install_is_switched_only_to_another_tree(tmp_path, monkeypatch):
     installed = []
-    monkeypatch.setattr(bsb, "install", lambda *a: installed.append(a))
-    monkeypatch.setattr(bsb, "_imports_from", lambda t: t == tree)
-    bsb.switch_install(tree, V)  # already the tree's: nothing installed
-    other = tmp_path / "vllm-9.8.0"
-    (tmp_path / "vllm-9.8.0-py3-none-any.whl").write_bytes(WHEEL)
-    bsb.switch_install(other, "9.8.0")
-    assert installed == [(other, tmp_path / "vllm-9.8.0-py3-none-any.whl", "9.8.0")]
+    monkeypatch.setattr(bsb, "install", lambda *args: installed.append(args))
+    monkeypatch.setattr(bsb, "_imports_from", lambda tree: tree.name == "on")
+    wheel = tmp_path / f"vllm-{V}-cp38-abi3-manylinux_2_28_x86_64.whl"
+    wheel.write_bytes(b"")
+    bsb.switch_install(tmp_path / "on", V)
+    assert installed == []
+    bsb.switch_install(tmp_path / "off", V)
+    assert installed == [(tmp_path / "off", wheel, V)]
+
+
+def test_a_detached_head_is_ours_only_on_the_branchs_history(env):
+    tree = _build(env)[0]
+    first = _git(tree, "rev-parse", bsb.BRANCH)
+    _git(tree, "checkout", "-q", f"v{V}")  # as compare and gates leave it
+    _build(env)
+    assert _git(tree, "rev-parse", bsb.BRANCH) == first
+    _git(tree, "checkout", "-q", "--detach")
+    (tree / "vllm/a.py").write_text("my work\n")
+    me = ["-c", "user.name=Me", "-c", "user.email=me@x"]
+    subprocess.run(["git", "-C", tree, *me, "commit", "-qam", "mine"], check=True)
+    with pytest.raises(ToolError, match="has HEAD checked out, not nvfp4moe"):
+        _build(env)
+    assert (tree / "vllm/a.py").read_text() == "my work\n"

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from compare_upstream_tests import compare, outcomes, regressions
+from tool_cli import ToolError
 
 TESTS = """
 import pytest
@@ -137,3 +138,22 @@ def test_a_series_is_compared_on_its_tree_at_the_tag_and_on_the_branch(
         capture_output=True,
         text=True,
     ).stdout.strip() in ("nvfp4moe", "main")
+
+
+def test_every_tree_is_checked_before_the_install_is_switched(monkeypatch, capsys):
+    import build_source_branch as bsb
+    import compare_upstream_tests
+
+    def source_tree(version):
+        if version == "0.33.0":
+            raise ToolError("no build/source/vllm-0.33.0: run it")
+        return bsb.BUILD / f"vllm-{version}"
+
+    switched = []
+    monkeypatch.setattr(bsb, "source_tree", source_tree)
+    monkeypatch.setattr(bsb, "switch_install", lambda *a: switched.append(a))
+    monkeypatch.setattr(compare_upstream_tests, "compare", lambda *a: 0)
+    argv = ["--release", "0.34.0", "--release", "0.33.0"]
+    assert compare_upstream_tests.main(argv) == 2
+    assert "no build/source/vllm-0.33.0: run it" in capsys.readouterr().err
+    assert switched == []

@@ -123,3 +123,21 @@ def test_drift_is_measured_against_the_newest_supported_release(tmp_path):
     )
     wrong = dataclasses.replace(toy.manifest, files=files)
     assert {s for p, n, s in drift_report(wrong, wheel)} == {"drifted"}
+
+
+def test_a_definition_or_file_the_wheel_lacks_is_gone(tmp_path):
+    toy = Toy(tmp_path)
+    twice = toy.wheel(tmp_path / "wheels", plant=("def unchanged(", "def pick("))
+    assert sorted(drift_report(toy.manifest, twice)) == [
+        ("vllm/ops.py", "Experts", "unchanged"),
+        ("vllm/ops.py", "pick", "gone"),  # defined twice
+        ("vllm/ops.py", "unchanged", "gone"),
+    ]
+    empty = tmp_path / "empty.whl"
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("vllm/__init__.py", "")
+    assert sorted(drift_report(toy.manifest, empty)) == [
+        ("vllm/ops.py", "Experts", "gone"),
+        ("vllm/ops.py", "pick", "gone"),
+        ("vllm/ops.py", "unchanged", "gone"),
+    ]

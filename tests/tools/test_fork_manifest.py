@@ -10,9 +10,10 @@ import re
 
 import pytest
 
+import fork_manifest
 from fork_cst import bindings, find, match, parse, reads
-from fork_manifest import load_manifest
-from tool_cli import ROOT
+from fork_manifest import Release, load_manifest
+from tool_cli import ROOT, ToolError
 
 MANIFEST = load_manifest()
 PRS = [p.id for p in MANIFEST.prs]
@@ -150,3 +151,18 @@ def test_every_file_and_page_the_manifest_names_exists():
                 entry.path,
                 version,
             )
+
+
+def test_a_wheel_is_downloaded_for_its_own_tag(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(fork_manifest, "run", lambda cmd, *a, **k: ran.append(cmd))
+    name = "vllm-9.0.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with pytest.raises(ToolError, match="pip download vllm==9.0.0 wrote no"):
+        Release("9.0.0", name, "0" * 64).fetch("wheel", tmp_path)
+    (cmd,) = ran
+    assert cmd[3:] == [
+        "download", "-q", "--no-deps", "-d", str(tmp_path), "vllm==9.0.0",
+        "--only-binary", ":all:", "--implementation", "cp",
+        "--python-version", "38", "--abi", "abi3",
+        "--platform", "manylinux_2_28_x86_64", "--ignore-requires-python",
+    ]  # fmt: skip

@@ -74,3 +74,14 @@ def test_unsigned_commits_and_uncovered_files_fail(tree):
     (unsigned,) = got["Signed-off-by"]
     assert unsigned.startswith("not signed off: ") and unsigned.endswith(" unsigned")
     assert got["kernels-moe-test deps"] == ["not covered: tests/test_c.py"]
+
+
+def test_a_finding_moved_to_another_line_and_column_is_upstreams(tree, monkeypatch):
+    # As ruff's concise output: "<file>:<line>:<column>: <message>".
+    lint = LINT.replace("{i}: shout'", '{i}:{s.index("SHOUT")}: shout\'')
+    hooks = {"lint": ([sys.executable, "-c", lint], upstream_gates.PY)}
+    monkeypatch.setattr(upstream_gates, "HOOKS", hooks)
+    moved = {"vllm/a.py": "y = 2\nx = 11  # SHOUT\n", "vllm/b.py": "# SHOUT\n"}
+    _commit(tree, "edit\n\nSigned-off-by: A <a@x>", moved)
+    (lint_result, *_) = upstream_gates.gates(tree, "9.9.0")
+    assert lint_result == ("lint", ["vllm/b.py:1:2: shout"], 1)
