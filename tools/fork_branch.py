@@ -51,7 +51,7 @@ def _read(path: Path, who: str) -> str:
 def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package):
     """The file's text with the entry applied, and the upstream definitions
     the branch's code in it reads (relied on)."""
-    up = fc.parse(text, who)
+    up0 = up = fc.parse(text, who)
     branch_text = _read(repo / e.src, f"{who}: the branch's file")
     br, bwho = fc.parse(branch_text, e.src), f"the branch's {e.src}"
     nodes = []
@@ -83,7 +83,7 @@ def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package)
             raise ToolError(f"{who}: the branch's code reads {n}; upstream {theirs}")
         elif b == ("def",):
             relied.add(n)
-    up = fc.drop_unused_imports(fc.add_imports(up, wanted), e.path)
+    up = fc.drop_unused_imports(up0, fc.add_imports(up, wanted), e.path)
     out = fc.sort_imports(up.code, e.path, package, who)
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
 

@@ -12,9 +12,11 @@ from __future__ import annotations
 import ast
 import hashlib
 import io
+import re
 import sys
 import textwrap
 import tokenize
+from collections import Counter
 from collections.abc import Sequence
 
 import libcst as cst
@@ -162,15 +164,17 @@ def _checking(module: cst.Module) -> list:
     return [x for s in ifs if code(s.test) == "TYPE_CHECKING" for x in s.body.body]
 
 
+def _import_args(bound: str, mod: str, full: str) -> tuple:
+    """libcst's (module, obj, asname) of the binding ("import", mod, full)."""
+    plain = full if mod else full.split(".")[0]
+    return mod or full, full if mod else None, None if bound == plain else bound
+
+
 def add_imports(module: cst.Module, wanted: dict) -> cst.Module:
     """``module`` importing the bindings ``wanted`` (bound name -> binding)."""
     ctx = CodemodContext()
     for bound, (_, mod, full) in sorted(wanted.items()):
-        plain = full if mod else full.split(".")[0]
-        alias = None if bound == plain else bound
-        AddImportsVisitor.add_needed_import(
-            ctx, mod or full, full if mod else None, alias
-        )
+        AddImportsVisitor.add_needed_import(ctx, *_import_args(bound, mod, full))
     body = list(AddImportsVisitor(ctx).transform_module(module).body)
     if len(body) > 1 and _binds(body[0], True) == "__doc__":  # ruff format's
         body[1] = body[1].with_changes(
@@ -179,25 +183,48 @@ def add_imports(module: cst.Module, wanted: dict) -> cst.Module:
     return module.with_changes(body=body)
 
 
-def drop_unused_imports(module: cst.Module, path: str) -> cst.Module:
-    """``module`` (of the file ``path``) without the module-level imports
-    nothing reads (upstream's files have none: its ruff selects F401), each
-    with its comment lines. A new first statement keeps only its comments:
-    the header holds the blank lines."""
+def _nested_imports(module: cst.Module) -> list[str]:
+    """The import statements inside definitions."""
+    lines = [*module.body, *_checking(module)]
+    top = [code(s.body[0]) for s in lines if isinstance(s, cst.SimpleStatementLine)]
+    found = [code(n) for n in m.findall(module, m.Import() | m.ImportFrom())]
+    return sorted((Counter(found) - Counter(top)).elements())
+
+
+def drop_unused_imports(before: cst.Module, after: cst.Module, path: str):
+    """``after`` (the edited ``before`` of the file ``path``) without the
+    module-level imports of the names ``before`` read and ``after`` no longer
+    does (``__all__``'s strings count), each with its comment lines; libcst's
+    remover checks each is unused. Nothing else is touched: upstream's
+    side-effect imports (``# noqa: F401``) stay. A new first statement keeps
+    only its comments: the header holds the blank lines."""
+
+    def used(module: cst.Module) -> set[str]:
+        names = reads(module)
+        for s in (s for s in module.body if _binds(s) == "__all__"):
+            names |= set(re.findall(r"[\"'](\w+)[\"']", code(s)))
+        return names
+
+    gone = used(before) - used(after)
     dotted = path.removesuffix(".py").replace("/", ".")
     package, name = dotted.rpartition(".")[0], dotted.removesuffix(".__init__")
     ctx = CodemodContext(full_module_name=name, full_package_name=package)
-    for s in [*module.body, *_checking(module)]:
-        node = s.body[0] if isinstance(s, cst.SimpleStatementLine) else None
-        if isinstance(node, (cst.Import, cst.ImportFrom)) and not (
-            isinstance(node.names, cst.ImportStar) or code(node).startswith("from __")
-        ):
-            RemoveImportsVisitor.remove_unused_import_by_node(ctx, node)
-    body = list(RemoveImportsVisitor(ctx).transform_module(module).body)
+    drop = [
+        (b, i) for b, i in bindings(after).items() if b in gone and i[0] == "import"
+    ]
+    for bound, (_, mod, full) in drop:
+        RemoveImportsVisitor.remove_unused_import(ctx, *_import_args(bound, mod, full))
+    if not drop:
+        return after
+    out = RemoveImportsVisitor(ctx).transform_module(after)
+    if _nested_imports(out) != _nested_imports(after):  # libcst's reach
+        gone = ", ".join(sorted(b for b, _ in drop))
+        raise ToolError(f"{path}: dropping {gone} would drop a function's import")
+    body = list(out.body)
     if body:
         notes = [ln for ln in body[0].leading_lines if ln.comment]
         body[0] = body[0].with_changes(leading_lines=notes)
-    return module.with_changes(body=body)
+    return after.with_changes(body=body)
 
 
 def sort_imports(text: str, path: str, package: str, who: str) -> str:
