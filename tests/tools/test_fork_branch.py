@@ -524,3 +524,10 @@ def test_dropping_an_import_a_function_repeats_is_refused():
     before = cst.parse_module(text.replace("\n\n\ndef", "\n\nX = os.sep\n\n\ndef"))
     with pytest.raises(ToolError, match="vllm/x.py: dropping os would drop a func"):
         drop_unused_imports(before, cst.parse_module(text), "vllm/x.py")
+
+
+def test_a_step_without_dependencies_does_not_take_the_next_steps():
+    text = "- label: x\n  key: s\n- label: y\n  key: t\n"
+    text += "  source_file_dependencies:\n  - a/\n"
+    with pytest.raises(ToolError, match="t: step s has no source_file_dependencies"):
+        buildkite_dependencies(text, "s", ["vllm/x.py"], "t")
