@@ -22,7 +22,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 from fork_branch import apply_branch
-from fork_manifest import Manifest, load_manifest
+from fork_manifest import Manifest, Release, load_manifest
 from tool_cli import ROOT, ToolError, command, parser, run
 
 __all__ = ["build_release", "main", "rewrite_metadata"]
@@ -56,10 +56,22 @@ def rewrite_metadata(text: str, version: str, requirements: dict[str, str]) -> s
     return "\n".join(lines) + sep + body
 
 
-def _rewrite(path: Path, edit) -> None:
-    text = edit(path.read_text(encoding="utf-8"))
+def _rewrite(path: Path, text: str) -> None:
     path.unlink()  # hard-linked to the upstream copy: write a new file
     path.write_text(text, encoding="utf-8")
+
+
+def _set_version(fork: Path, release: Release, version: str) -> None:
+    """Rename the .dist-info, rewrite METADATA and vllm/_version.py."""
+    info = fork / f"vllm-{release.version}.dist-info"
+    text = (info / "METADATA").read_text(encoding="utf-8")
+    _rewrite(info / "METADATA", rewrite_metadata(text, version, release.requirements))
+    (info / "RECORD").unlink()  # wheel pack writes it anew
+    info.rename(fork / f"vllm-{version}.dist-info")
+    if (path := fork / "vllm" / "_version.py").is_file():
+        pattern = rf"(version\s*=\s*)(['\"]){re.escape(release.version)}\2"
+        text = path.read_text(encoding="utf-8")
+        _rewrite(path, re.sub(pattern, rf"\g<1>\g<2>{version}\g<2>", text))
 
 
 def build_release(
@@ -89,19 +101,7 @@ def build_release(
         shutil.copytree(partial / "upstream", fork, copy_function=os.link)
         report = apply_branch(fork, version, repo=repo, manifest=manifest)
         print("\n".join(f"  {line}" for line in report.lines))
-        info = fork / f"vllm-{version}.dist-info"
-        _rewrite(
-            info / "METADATA",
-            lambda t: rewrite_metadata(t, new_version, release.requirements),
-        )
-        (info / "RECORD").unlink()  # wheel pack writes it anew
-        info.rename(fork / f"vllm-{new_version}.dist-info")
-        pattern = rf"(version\s*=\s*)(['\"]){re.escape(version)}\2"
-        if (fork / "vllm" / "_version.py").is_file():
-            _rewrite(
-                fork / "vllm" / "_version.py",
-                lambda t: re.sub(pattern, rf"\g<1>\g<2>{new_version}\g<2>", t),
-            )
+        _set_version(fork, release, new_version)
         print(f"packing {name}")
         run([*python, "pack", str(fork), "-d", str(partial)], "wheel pack", _EPOCH)
         (packed,) = partial.glob("*.whl")

@@ -42,13 +42,10 @@ def supported_problems(manifest: Manifest, pypi: dict) -> list[str]:
     for v, r in manifest.releases.items():
         files = _files(pypi, v)
         for name, sha in ((r.wheel, r.wheel_sha256), (r.sdist, r.sdist_sha256)):
-            if files.get(name) != sha:
-                has = (
-                    f"PyPI has sha256 {files[name]}, not {sha}"
-                    if name in files
-                    else "no longer on PyPI"
-                )
-                out.append(f"{v}: {name}: {has}")
+            if name not in files:
+                out.append(f"{v}: {name}: no longer on PyPI")
+            elif files[name] != sha:
+                out.append(f"{v}: {name}: PyPI has sha256 {files[name]}, not {sha}")
     return out
 
 
@@ -90,10 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             with urllib.request.urlopen(PYPI, timeout=60) as response:
                 pypi = json.load(response)
         try:
-            latest, problems = (
-                pypi["info"]["version"],
-                supported_problems(manifest, pypi),
-            )
+            latest = pypi["info"]["version"]
+            problems = supported_problems(manifest, pypi)
         except (KeyError, TypeError) as exc:
             raise ToolError(f"PyPI's JSON lacks {exc}") from None
         if latest in manifest.releases:
@@ -105,10 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ToolError(f"PyPI has no {name} for vllm {latest}")
             with tempfile.TemporaryDirectory() as tmp:
                 local = [args.wheel] if args.wheel else []
-                wheel = Release(latest, name, files[name]).fetch(
-                    "wheel", Path(tmp), local
-                )
-                rows = drift_report(manifest, wheel)
+                release = Release(latest, name, files[name])
+                rows = drift_report(manifest, release.fetch("wheel", Path(tmp), local))
             drifted = [f"{n} ({p})" for p, n, s in rows if s != "unchanged"]
             kept = [n for p, n, s in rows if s == "unchanged"]
             print(f"{latest}: not supported yet (the newest supported: {ours.version})")

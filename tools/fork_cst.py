@@ -177,7 +177,8 @@ def add_imports(module: cst.Module, wanted: dict) -> cst.Module:
     for bound, (_, mod, full) in sorted(wanted.items()):
         AddImportsVisitor.add_needed_import(ctx, *_import_args(bound, mod, full))
     body = list(AddImportsVisitor(ctx).transform_module(module).body)
-    if len(body) > 1 and _binds(body[0], True) == "__doc__":  # ruff format's
+    # ruff format keeps a blank line after a module docstring; libcst does not
+    if len(body) > 1 and _binds(body[0], True) == "__doc__":
         body[1] = body[1].with_changes(
             leading_lines=body[1].leading_lines or [cst.EmptyLine()]
         )
@@ -213,14 +214,15 @@ def drop_unused_imports(before: cst.Module, after: cst.Module, path: str):
     drop = [
         (b, i) for b, i in bindings(after).items() if b in gone and i[0] == "import"
     ]
-    for bound, (_, mod, full) in drop:
-        RemoveImportsVisitor.remove_unused_import(ctx, *_import_args(bound, mod, full))
     if not drop:
         return after
+    for bound, (_, mod, full) in drop:
+        RemoveImportsVisitor.remove_unused_import(ctx, *_import_args(bound, mod, full))
     out = RemoveImportsVisitor(ctx).transform_module(after)
-    if _nested_imports(out) != _nested_imports(after):  # libcst's reach
-        gone = ", ".join(sorted(b for b, _ in drop))
-        raise ToolError(f"{path}: dropping {gone} would drop a function's import")
+    # libcst removes a same-named unused import inside a function too
+    if _nested_imports(out) != _nested_imports(after):
+        names = ", ".join(sorted(b for b, _ in drop))
+        raise ToolError(f"{path}: dropping {names} would drop a function's import")
     body = list(out.body)
     if body:
         notes = [ln for ln in body[0].leading_lines if ln.comment]

@@ -199,17 +199,10 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         edits = []
         for e in f.get("edits", ()):
             kind = next((k for k in _EDITS if k in e), "insert_before")
-            e = _table(
-                e, f"files {f['path']}", {"in", kind}, {"code", "take", "within"}
-            )
-            edits.append(
-                Edit(
-                    kind,
-                    e["in"],
-                    e[kind],
-                    *(e.get(k, "") for k in ("code", "take", "within")),
-                )
-            )
+            where, may = f"files {f['path']}", {"code", "take", "within"}
+            e = _table(e, where, {"in", kind}, may)
+            args = (e.get("code", ""), e.get("take", ""), e.get("within", ""))
+            edits.append(Edit(kind, e["in"], e[kind], *args))
         kw = {k: tuple(v) if isinstance(v, list) else v for k, v in f.items()}
         kw |= {"edits": tuple(edits), "src": f.get("src", f["path"])}
         files.append(FileEntry(**kw))
