@@ -1,343 +1,356 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""FlashInfer b12x NVFP4 MoE experts through vLLM's modular-kernel interface:
-the kernel (SM120/SM121 only) and its CPU emulation.
+"""The branch's definitions in vLLM's tests/kernels/moe/test_flashinfer_b12x_moe.py."""
 
-The experts are built and called as vLLM's NVFP4 oracle and modular kernel
-build and call them (``FlashInferB12xExperts(moe_config, quant_config)``,
-``process_weights_after_loading(layer)``, ``apply`` with the kernel's 15
-arguments: flashinfer_b12x_utils.apply_experts), on a layer holding the
-checkpoint's tensors. Every case runs on both backends:
-``flashinfer_b12x`` is skipped, with the reason, where the kernel cannot run;
-the emulation, which shares every line of the weight preparation, runs
-everywhere. The reference is moe_reference.py's pure-torch MoE: upstream's
-``torch_moe`` builds vLLM's activation ops, which need a ``VllmConfig``, and
-on a CPU machine that needs triton-cpu.
-"""
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.kernels.moe import moe_reference
-from tests.kernels.moe.flashinfer_b12x_utils import (
-    NVFP4ExpertsLayer,
-    apply_experts,
-    b12x_quant_config,
-    bf16_experts,
-    dequantized_experts,
-    quantize_experts_modelopt,
-)
-from tests.kernels.moe.moe_reference import rel_rms_error, torch_topk
 from tests.kernels.moe.utils import make_dummy_moe_config
+from tests.kernels.quantization.nvfp4_utils import convert_swizzled_to_linear
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
-    flashinfer_w4a16_prepared_call,
-    is_flashinfer_b12x_moe_available,
-)
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_emulated import (
-    FlashInferB12xEmulatedExperts,
-)
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
-    FlashInferB12xExperts,
+from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
+    NvFp4MoeBackend,
+    backend_to_kernel_cls,
+    convert_to_nvfp4_moe_kernel_format,
+    make_nvfp4_moe_kernel,
+    make_nvfp4_moe_quant_config,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
 )
-from vllm.model_executor.layers.quantization.utils.nvfp4_format import (
-    unswizzle_blockscale,
+from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
+    break_fp4_bytes,
+    ref_nvfp4_quant,
+    ref_nvfp4_quant_dequant,
+)
+from vllm.model_executor.layers.quantization.utils.nvfp4_utils import (
+    swizzle_blockscale_,
+)
+from vllm.model_executor.layers.quantization.utils.quant_utils import (
+    kNvfp4Dynamic,
+    kNvfp4Static,
+)
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_random_seed
+
+# The kernel cases; the preparation cases run anywhere FlashInfer imports.
+requires_b12x = pytest.mark.skipif(
+    not current_platform.is_device_capability_family(120),
+    reason="FlashInfer B12x MoE requires SM120 (RTX Pro 6000 / DGX Spark).",
 )
 
-_B12X = is_flashinfer_b12x_moe_available()
-BACKENDS = [
-    pytest.param(
-        FlashInferB12xExperts,
-        marks=pytest.mark.skipif(
-            not _B12X, reason=f"b12x kernel, SM120/SM121 only: {_B12X.reason}"
-        ),
-        id="flashinfer_b12x",
-    ),
-    pytest.param(FlashInferB12xEmulatedExperts, id="emulated"),
-]
-_W4A16 = flashinfer_w4a16_prepared_call() if _B12X else _B12X
-W4A16_BACKENDS = [
-    pytest.param(
-        FlashInferB12xExperts,
-        marks=pytest.mark.skipif(
-            not _W4A16, reason=f"b12x W4A16 kernel, SM120/SM121 only: {_W4A16.reason}"
-        ),
-        id="flashinfer_b12x",
-    ),
-    pytest.param(FlashInferB12xEmulatedExperts, id="emulated"),
+# Dimensions chosen to satisfy FP4 alignment requirements (k multiple of 256,
+# n multiple of 128) while keeping tests fast.
+MNK_FACTORS = [
+    (2, 128, 256),
+    (2, 256, 512),
+    (16, 128, 256),
+    (64, 256, 512),
 ]
 
-# (m tokens, n = intermediate size I, k = hidden size H), as upstream's test
-MNK_FACTORS = [(2, 128, 256), (2, 256, 512), (16, 128, 256), (64, 256, 512)]
-NUM_EXPERTS = [8, 16]
-TOP_KS = [1, 2, 4]
-W4A16_MNK = [(2, 128, 256), (16, 256, 512)]
+
+# A layer of real magnitudes on CPU: the b12x launch stood in by its arithmetic
+# in torch (_TorchB12xMoEWrapper), the rest of the experts' path vLLM's own.
+CPU_E = 8  # experts
+CPU_TOPK = 2
+CPU_M = 32  # tokens
+CPU_I = 256  # intermediate size
+CPU_H = 512  # hidden size
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def _mnk_ids(cases: list[tuple[int, int, int]]) -> list[str]:
-    return ["m{}_n{}_k{}".format(*mnk) for mnk in cases]
+def _pack_fp4(values: torch.Tensor) -> torch.Tensor:
+    """E2M1 values [N, K] -> codes uint8 [N, K/2], element 2i in the low nibble."""
+    codes = torch.searchsorted(torch.tensor(E2M1), values.abs().contiguous())
+    codes = (codes | (values < 0).long() << 3).to(torch.uint8)
+    return codes[:, 0::2] | codes[:, 1::2] << 4
 
 
-# Tolerances, as relative RMS error ||out - ref|| / ||ref|| of the [m, k]
-# output (derivations below; measured ranges over these cases in brackets).
-#
-# W4A4 vs the BF16 MoE on the UNQUANTIZED weights. One NVFP4 quantization of
-# Gaussian-like data has an SQNR of ~19.6 dB (derived in
-# test_nvfp4_format.test_sqnr_floor_on_random_data), a relative RMS error
-# e ~ 0.105. FC1 multiplies two quantized operands (x, w1): sqrt(2) e ~ 0.15;
-# the gated product carries the errors of gate and up: ~sqrt(2) * 0.15 ~ 0.21;
-# FC2 adds the intermediate's and w2's quantization: sqrt(0.21^2 + 2 e^2)
-# ~ 0.25. Tolerance 0.35 [0.20, 0.28].
-W4A4_TOL = 0.35
-# BF16-activation emulation vs the BF16 MoE on the DEQUANTIZED checkpoint
-# weights. With the global scales kept as alphas (the default) the prepared
-# weights decode to the checkpoint's exactly; what is left is rounding: the
-# reference's BF16 weights (e2m1 * block scale * scale_2 rounded to 8
-# significant bits, relative error <= 2^-9, RMS ~2^-9 / sqrt(3) ~ 0.0011 per
-# weight, ~0.0016 through two GEMMs) and the BF16 intermediate and output
-# (<= 2^-9 each, where the two sides round differently). Tolerance 0.01.
-BF16_ACTIVATIONS_TOL = 0.01
-# W4A16 vs the BF16 MoE on the checkpoint's exact dequantized weights: the
-# packed layout decodes to the checkpoint's weights exactly (the factor 2^x
-# and 2^119 / 2^x cancel; no scale of real-magnitude weights is flushed), so
-# only BF16 rounding is left, as for BF16_ACTIVATIONS_TOL.
-W4A16_TOL = BF16_ACTIVATIONS_TOL
-# Negative controls (gate and up swapped) must miss the tolerance by these
-# factors. Swapping turns silu(gate) * up into silu(up) * gate: for unit-
-# variance pre-activations the outputs differ by 0.58-0.99 relative RMS here:
-# 1.7-2.8x the W4A4 tolerance (the W4A4 error itself is a quarter of the
-# signal), and far beyond the BF16-activation tolerance, the tight check.
-W4A4_CONTROL_MARGIN = 1.5
-BF16_ACTIVATIONS_CONTROL_MARGIN = 20.0
+def _quantize_modelopt(w: torch.Tensor):
+    """ModelOpt NVFP4 of [E, N, K]: codes [E, N, K/2], linear FP8 block scales
+    [E, N, K/16] and the per-expert scale_2 = amax / (6 * 448)."""
+    scale_2 = w.abs().amax(dim=(1, 2)).float() / (6 * 448)
+    codes, scales = zip(
+        *(ref_nvfp4_quant(x.float(), 1 / s, 16) for x, s in zip(w, scale_2))
+    )
+    return (
+        torch.stack([_pack_fp4(c) for c in codes]),
+        torch.stack(scales).to(torch.float8_e4m3fn),
+        scale_2,
+    )
 
 
-def _swap_halves(w1: torch.Tensor) -> torch.Tensor:
-    """[gate; up] -> [up; gate] (or the two halves of I rows) on a new tensor."""
-    half = w1.shape[1] // 2
-    return torch.cat([w1[:, half:], w1[:, :half]], dim=1)
+def _decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K/2] and linear block scales [N, K/16] -> [N, K] float32."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    values = break_fp4_bytes(codes, torch.float32).view(n, k // 16, 16)
+    return (values * scales.float().unsqueeze(-1)).view(n, k)
 
 
-def _config(e, topk, k, n, activation):
-    def make(act):
-        return make_dummy_moe_config(
-            num_experts=e,
-            experts_per_token=topk,
-            hidden_dim=k,
-            intermediate_size=n,
-            activation=act,
+def _routed(x, topk_ids, topk_weights, expert_fn):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        rows, slots = (topk_ids == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, expert_fn(e, x[rows]) * topk_weights[rows, slots, None])
+    return out
+
+
+class _TorchB12xMoEWrapper:
+    """FlashInfer's B12xMoEWrapper (W4A4, gated SiLU) as its kernels compute, in
+    torch: each routed row's input quantized to NVFP4 with the expert's
+    ``input_global_scale`` as divisor (``w1_alpha`` without one), FC1 times
+    ``w1_alpha * input_global_scale`` (``w1_alpha`` without), silu(gate) * up
+    on the [up; gate] rows rounded to BF16, FC2's input quantized with
+    ``fc2_input_scale``, FC2 times ``w2_alpha`` and the routing weight."""
+
+    def __init__(self, num_experts, top_k, hidden_size, intermediate_size, **kw):
+        assert kw.get("activation", "silu") == "silu"
+
+    def run(
+        self,
+        x,
+        w1_weight,
+        w1_weight_sf,
+        w2_weight,
+        w2_weight_sf,
+        token_selected_experts,
+        token_final_scales,
+        *,
+        w1_alpha,
+        w2_alpha,
+        fc2_input_scale=None,
+        input_global_scale=None,
+    ):
+        from flashinfer.cute_dsl.utils import convert_sf_from_mma_layout
+
+        def linear_scales(w, sf):
+            e, n, k = w.shape[0], w.shape[1], w.shape[2] * 2
+            sf = convert_sf_from_mma_layout(sf, m=n, k=k, num_groups=e).view(e, -1)
+            return [convert_swizzled_to_linear(s, n, k, 16) for s in sf]
+
+        s1, s2 = (
+            linear_scales(w1_weight, w1_weight_sf),
+            linear_scales(w2_weight, w2_weight_sf),
+        )
+        gs1 = w1_alpha if input_global_scale is None else input_global_scale
+        mul1 = w1_alpha if input_global_scale is None else w1_alpha * gs1
+        i = w1_weight.shape[1] // 2
+
+        def expert(e, rows):
+            xq = ref_nvfp4_quant_dequant(rows.float(), 1 / gs1[e], 16) / gs1[e]
+            up, gate = (xq @ _decode(w1_weight[e], s1[e]).T * mul1[e]).split(i, -1)
+            h = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+            hq = ref_nvfp4_quant_dequant(h, 1 / fc2_input_scale[e], 16)
+            return (
+                hq / fc2_input_scale[e] @ _decode(w2_weight[e], s2[e]).T * w2_alpha[e]
+            )
+
+        ids = token_selected_experts.long()
+        return _routed(x, ids, token_final_scales, expert).to(x.dtype)
+
+
+def _checkpoint_layer():
+    """A ModelOpt NVFP4 MoE checkpoint of real magnitudes (weight std 0.005 to
+    0.04 across experts, activation scales from a calibration batch) and its
+    function in a BF16 model: gate and up decoded with their scales, each
+    expert's inputs quantized with its calibrated input scale."""
+    set_random_seed(0)
+    e, i, h = CPU_E, CPU_I, CPU_H
+    std = torch.logspace(-2.3, -1.4, e).view(e, 1, 1)
+    w13 = torch.randn(e, 2 * i, h) * std
+    w2 = torch.randn(e, h, i) * std
+    x_cal = torch.randn(4 * CPU_M, h) * torch.logspace(-1, 0.5, h)
+    a13 = x_cal.abs().amax() * torch.linspace(0.7, 1.0, e) / (6 * 448)
+    gate, up = (x_cal @ w13.transpose(1, 2)).split(i, -1)
+    a2 = (torch.nn.functional.silu(gate) * up).abs().amax(dim=(1, 2)) / (6 * 448)
+    (c13, s13, g13), (c2, s2, g2) = _quantize_modelopt(w13), _quantize_modelopt(w2)
+
+    def function(x, topk_ids, topk_weights):
+        def expert(e, rows):
+            xq = ref_nvfp4_quant_dequant(rows.float(), 1 / a13[e], 16)
+            gate, up = (xq @ _decode(c13[e], s13[e]).T * g13[e]).split(i, -1)
+            h = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+            hq = ref_nvfp4_quant_dequant(h, 1 / a2[e], 16)
+            return hq @ _decode(c2[e], s2[e]).T * g2[e]
+
+        return _routed(x, topk_ids, topk_weights, expert)
+
+    x = (torch.randn(CPU_M, h) * torch.logspace(-1, 0.5, h)).bfloat16()
+    tensors = dict(
+        w13=c13,
+        w13_scale=s13,
+        w13_scale_2=g13,
+        a13_scale=a13,
+        w2=c2,
+        w2_scale=s2,
+        w2_scale_2=g2,
+        a2_scale=a2,
+    )
+    return tensors, function, x
+
+
+def _prepare_b12x(t: dict, monkeypatch, use_a16: bool = False):
+    """The checkpoint through vLLM's FLASHINFER_B12X path, as the ModelOpt and
+    compressed-tensors MoE methods run it (load layout in, kernel out)."""
+    monkeypatch.setattr(
+        pytest.importorskip("flashinfer.fused_moe"),
+        "B12xMoEWrapper",
+        _TorchB12xMoEWrapper,
+    )
+    e = CPU_E
+    moe_config = make_dummy_moe_config(
+        num_experts=e,
+        experts_per_token=CPU_TOPK,
+        hidden_dim=CPU_H,
+        intermediate_size=CPU_I,
+    )
+    layer = SimpleNamespace(activation=MoEActivation.SILU, moe_config=moe_config)
+    w13, w13_scale, w13_scale_2, a13, w2, w2_scale, w2_scale_2, a2 = (
+        convert_to_nvfp4_moe_kernel_format(
+            NvFp4MoeBackend.FLASHINFER_B12X,
+            layer,
+            t["w13"].clone(),
+            t["w13_scale"].clone(),
+            t["w13_scale_2"].clone(),
+            t["a13_scale"].unsqueeze(1).repeat(1, 2),
+            t["w2"].clone(),
+            t["w2_scale"].clone(),
+            t["w2_scale_2"].clone(),
+            t["a2_scale"].clone(),
+            is_act_and_mul=True,
+            use_a16=use_a16,
+        )
+    )
+    quant_config = make_nvfp4_moe_quant_config(
+        NvFp4MoeBackend.FLASHINFER_B12X,
+        w13_scale,
+        w2_scale,
+        w13_scale_2,
+        w2_scale_2,
+        a13,
+        a2,
+        layer=layer,
+        use_a16=use_a16,
+    )
+    # The experts class vLLM's backend oracle picks for the checkpoint.
+    activation_key = None if use_a16 else kNvfp4Dynamic
+    experts_cls = next(
+        cls
+        for cls in backend_to_kernel_cls(NvFp4MoeBackend.FLASHINFER_B12X)
+        if cls._supports_quant_scheme(kNvfp4Static, activation_key)
+    )
+    kernel = make_nvfp4_moe_kernel(
+        quant_config, moe_config, experts_cls, NvFp4MoeBackend.FLASHINFER_B12X
+    )
+    # The parameters as the quant method leaves them (replace_parameter).
+    layer.w13_weight, layer.w13_weight_scale, layer.w13_weight_scale_2 = (
+        w13,
+        w13_scale,
+        w13_scale_2,
+    )
+    layer.w2_weight, layer.w2_weight_scale, layer.w2_weight_scale_2 = (
+        w2,
+        w2_scale,
+        w2_scale_2,
+    )
+    kernel.fused_experts.process_weights_after_loading(layer)
+    return kernel, layer
+
+
+def test_b12x_preparation_keeps_the_checkpoint_scales(monkeypatch):
+    """W4A4 on b12x keeps every block scale and global scale as loaded
+    (reordered, swizzled): the global scales are the kernel's alphas."""
+    t, _, _ = _checkpoint_layer()
+    kernel, layer = _prepare_b12x(t, monkeypatch)
+    experts = kernel.fused_experts
+
+    w13_scale = t["w13_scale"].clone()
+    reorder_w1w3_to_w3w1(torch.empty_like(t["w13"]), w13_scale)
+    for got, want in ((experts.w1_scale, w13_scale), (experts.w2_scale, t["w2_scale"])):
+        n, k = want.shape[1], want.shape[2] * 16
+        for x in range(CPU_E):
+            back = convert_swizzled_to_linear(got[x].view(torch.uint8), n, k, 16)
+            assert torch.equal(back, want[x].view(torch.uint8))
+    assert torch.equal(experts.g1_alphas, t["w13_scale_2"])
+    assert torch.equal(experts.g2_alphas, t["w2_scale_2"])
+
+
+def test_b12x_experts_compute_the_checkpoint_function(monkeypatch):
+    t, function, x = _checkpoint_layer()
+    kernel, layer = _prepare_b12x(t, monkeypatch)
+    score = torch.randn(CPU_M, CPU_E)
+    topk_weights, topk_ids = torch.topk(score.softmax(-1), CPU_TOPK)
+    topk_weights /= topk_weights.sum(-1, keepdim=True)
+    ref = function(x, topk_ids, topk_weights)
+
+    def rel_err(out):
+        return ((out.float() - ref).norm() / ref.norm()).item()
+
+    def run(**swap):
+        return kernel.apply(
+            hidden_states=x,
+            w1=swap.get("w1", layer.w13_weight),
+            w2=layer.w2_weight,
+            topk_weights=topk_weights,
+            topk_ids=topk_ids,
+            global_num_experts=CPU_E,
+            activation=MoEActivation.SILU,
+            apply_router_weight_on_input=False,
+            expert_map=None,
         )
 
-    try:
-        return make(activation)
-    except NotImplementedError:
-        # FusedMoEConfig refuses a non-gated activation off CUDA, XPU and
-        # ROCm, where the FusedMoE layer cannot run one. The experts do not
-        # depend on the platform: the config those build, the gated one with
-        # the layer's activation (nothing else in it depends on it).
-        config = make(MoEActivation.SILU)
-        config.activation = activation
-        return config
-
-
-def _prepared(cls, tensors, e, topk, k, n, activation, device, **kwargs):
-    """(layer, experts): the experts built from the oracle's quant config and
-    prepared on the layer of the checkpoint's ``tensors``."""
-    layer = NVFP4ExpertsLayer(tensors, activation).to(device)
-    weight_only = kwargs.pop("weight_only", False)
-    experts = cls(
-        _config(e, topk, k, n, activation),
-        b12x_quant_config(layer, weight_only),
-        **kwargs,
-    )
+    # BF16 rounding of the output is all that differs.
+    assert rel_err(run()) < 0.01
+    # Negative controls: gate and up swapped; the global scales folded into
+    # the FP8 block scales (0.34.0's preparation).
+    assert rel_err(run(w1=t["w13"])) > 0.5
+    experts = kernel.fused_experts
+    for sf, scale_2 in (
+        (experts.w1_scale, experts.g1_alphas),
+        (experts.w2_scale, experts.g2_alphas),
+    ):
+        sf.copy_((sf.float() * scale_2.view(-1, 1, 1)).to(sf.dtype))
+        scale_2.fill_(1.0)
     experts.process_weights_after_loading(layer)
-    return layer, experts
+    assert rel_err(run()) > 0.03
 
 
-def _run(experts, layer, x, logits, topk, activation):
-    weights, ids = torch_topk(logits, topk, renormalize=True)
-    device = layer.w13_weight.device
-    out = apply_experts(
-        experts,
-        layer,
-        x.to(device),
-        weights.to(device),
-        ids.to(device),
-        activation,
-        global_num_experts=logits.shape[1],
+def test_b12x_w4a16_prepared_in_place_as_flashinfer_prepares(monkeypatch):
+    """A W4A16 checkpoint runs FlashInfer's W4A16 path, its layout written over
+    the loaded weights and scales: the bytes of FlashInfer's own prepare."""
+    from flashinfer.fused_moe.cute_dsl.blackwell_sm12x.moe_w4a16_prepare import (
+        prepare_w4a16_modelopt_nvfp4_weights,
     )
-    return out.cpu()
 
-
-def _device(cls) -> str:
-    return "cuda" if cls is FlashInferB12xExperts else "cpu"
-
-
-@pytest.mark.parametrize("cls", BACKENDS)
-@pytest.mark.parametrize("topk", TOP_KS, ids=lambda v: f"top{v}")
-@pytest.mark.parametrize("e", NUM_EXPERTS, ids=lambda v: f"E{v}")
-@pytest.mark.parametrize("m,n,k", MNK_FACTORS, ids=_mnk_ids(MNK_FACTORS))
-def test_flashinfer_b12x_moe(m, n, k, e, topk, cls):
-    torch.manual_seed(7)
-    silu = MoEActivation.SILU
-    w1, w2 = bf16_experts(e, n, k, gated=True, seed=m * 1000 + e * 10 + topk)
-    x = torch.randn(m, k).bfloat16()  # unit variance, not damped
-    logits = torch.randn(m, e)
-
-    # What the kernel must end up holding: the production reorder applied to a
-    # CLONE of the BF16 [gate; up] weights, then quantized. The original must
-    # be untouched: the reference below uses it again.
-    w1_before = w1.clone()
-    w3w1 = w1.clone()
-    reorder_w1w3_to_w3w1(w3w1, torch.zeros(e, 2 * n, 1), dim=-2)
-    assert torch.equal(w1, w1_before)
-    assert torch.equal(w3w1, _swap_halves(w1))
-    expected = quantize_experts_modelopt(_swap_halves(w1), w2, gated=True)
-
-    tensors = quantize_experts_modelopt(w1, w2, gated=True)
-    layer, experts = _prepared(cls, tensors, e, topk, k, n, silu, _device(cls))
-    # b12x quantizes the FC2 input dynamically: a static scale of exactly 1.
-    fc2 = experts.prepared.fc2_input_scale
-    assert fc2.shape == (e,) and fc2.dtype == torch.float32
-    assert torch.equal(fc2.cpu(), torch.ones(e))
-
-    # The prepared layout, byte for byte: [w3; w1] codes, swizzled scales
-    # that unswizzle to the checkpoint's block scales in the expected order
-    # (untouched: the global scales are the kernel's alphas).
-    assert torch.equal(layer.w13_weight.cpu(), expected["w13_weight"])
-    assert torch.equal(layer.w2_weight.cpu(), expected["w2_weight"])
-    for name, rows, cols in (("w13", 2 * n, k // 16), ("w2", k, n // 16)):
-        got = unswizzle_blockscale(
-            getattr(layer, f"{name}_weight_scale").cpu(), rows, cols
-        )
-        want = expected[f"{name}_weight_scale"]
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
-    # The quant config holds the layer's parameters; the kernel's alphas are
-    # the gate's global scale and w2's (gate and up share one here).
-    assert experts.quant_config.w1_scale is layer.w13_weight_scale
-    assert experts.w1_sf_mma.data_ptr() == layer.w13_weight_scale.data_ptr()
-    s13 = expected["w13_weight_scale_2"]
-    assert torch.equal(experts.prepared.w1_alpha.cpu(), s13[:, 0])
-    assert torch.equal(experts.prepared.w2_alpha.cpu(), expected["w2_weight_scale_2"])
-
-    out = _run(experts, layer, x, logits, topk, silu)
-    assert out.shape == (m, k) and out.dtype == torch.bfloat16
-    ref = moe_reference.torch_moe(x, w1, w2, logits, topk, renormalize=True)
-    ref_swapped = moe_reference.torch_moe(
-        x, _swap_halves(w1), w2, logits, topk, renormalize=True
+    # FlashInfer's host code sizes a workspace from the SM count.
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda *_: SimpleNamespace(multi_processor_count=1),
     )
-    err = rel_rms_error(out, ref)
-    assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
-    control = rel_rms_error(out, ref_swapped)
-    assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"gate/up swapped: {control:.3f}"
-
-    if cls is FlashInferB12xEmulatedExperts:
-        # BF16 activations: a tight comparison with the dequantized weights.
-        wo_layer, wo = _prepared(
-            cls, tensors, e, topk, k, n, silu, "cpu", bf16_activations=True
-        )
-        out_wo = _run(wo, wo_layer, x, logits, topk, silu)
-        dw1, dw2 = dequantized_experts(tensors, gated=True)
-        ref_q = moe_reference.torch_moe(x, dw1, dw2, logits, topk, renormalize=True)
-        ref_q_swapped = moe_reference.torch_moe(
-            x, _swap_halves(dw1), dw2, logits, topk, True
-        )
-        err = rel_rms_error(out_wo, ref_q)
-        assert err < BF16_ACTIVATIONS_TOL, f"BF16 activations vs dequantized: {err:.3f}"
-        control = rel_rms_error(out_wo, ref_q_swapped)
-        assert control > BF16_ACTIVATIONS_CONTROL_MARGIN * BF16_ACTIVATIONS_TOL, control
-
-
-@pytest.mark.parametrize("cls", BACKENDS)
-@pytest.mark.parametrize("topk", TOP_KS, ids=lambda v: f"top{v}")
-@pytest.mark.parametrize("e", NUM_EXPERTS, ids=lambda v: f"E{v}")
-@pytest.mark.parametrize("m,n,k", MNK_FACTORS, ids=_mnk_ids(MNK_FACTORS))
-def test_flashinfer_b12x_moe_relu2(m, n, k, e, topk, cls):
-    # Non-gated experts: w1 is [e, n, k], nothing to reorder. The same 24
-    # cases as the gated test.
-    relu2 = MoEActivation.RELU2_NO_MUL
-    seed = m * 1000 + e * 10 + topk
-    w1, w2 = bf16_experts(e, n, k, gated=False, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    logits = torch.randn(m, e, generator=gen)
-    tensors = quantize_experts_modelopt(w1, w2, gated=False)
-    layer, experts = _prepared(cls, tensors, e, topk, k, n, relu2, _device(cls))
-    assert torch.equal(layer.w13_weight.cpu(), tensors["w13_weight"])
-    out = _run(experts, layer, x, logits, topk, relu2)
-    ref = moe_reference.torch_moe(x, w1, w2, logits, topk, True, activation="relu2")
-    err = rel_rms_error(out, ref)
-    assert err < W4A4_TOL, f"W4A4 vs BF16 reference: {err:.3f}"
-    # Control: had the preparation swapped the halves of the I rows (a reorder
-    # applied to non-gated experts), FC1's channels would no longer match w2's.
-    wrong = moe_reference.torch_moe(
-        x, _swap_halves(w1), w2, logits, topk, True, "relu2"
+    t, _, _ = _checkpoint_layer()
+    swizzled = {k: swizzle_blockscale_(t[k].clone()) for k in ("w13_scale", "w2_scale")}
+    want = prepare_w4a16_modelopt_nvfp4_weights(
+        *(t["w13"], swizzled["w13_scale"], t["w13_scale_2"]),
+        *(t["w2"], swizzled["w2_scale"], t["w2_scale_2"]),
+        activation="silu",
     )
-    control = rel_rms_error(out, wrong)
-    assert control > W4A4_CONTROL_MARGIN * W4A4_TOL, f"halves swapped: {control:.3f}"
-    if cls is FlashInferB12xEmulatedExperts:
-        wo_layer, wo = _prepared(
-            cls, tensors, e, topk, k, n, relu2, "cpu", bf16_activations=True
+
+    kernel, layer = _prepare_b12x(t, monkeypatch, use_a16=True)
+
+    assert kernel.fused_experts.quant_config.use_nvfp4_w4a16
+    for param, packed in (
+        (layer.w13_weight, want.w13),
+        (layer.w13_weight_scale, want.w13_scale),
+        (layer.w2_weight, want.w2),
+        (layer.w2_weight_scale, want.w2_scale),
+    ):
+        assert torch.equal(
+            param.view(torch.uint8), packed.view(torch.uint8).view_as(param)
         )
-        out_wo = _run(wo, wo_layer, x, logits, topk, relu2)
-        dw1, dw2 = dequantized_experts(tensors, gated=False)
-        ref_q = moe_reference.torch_moe(x, dw1, dw2, logits, topk, True, "relu2")
-        err = rel_rms_error(out_wo, ref_q)
-        assert err < BF16_ACTIVATIONS_TOL, f"BF16 activations vs dequantized: {err:.3f}"
-        ref_q_wrong = moe_reference.torch_moe(
-            x, _swap_halves(dw1), dw2, logits, topk, True, "relu2"
-        )
-        control = rel_rms_error(out_wo, ref_q_wrong)
-        assert control > BF16_ACTIVATIONS_CONTROL_MARGIN * BF16_ACTIVATIONS_TOL, control
-
-
-@pytest.mark.parametrize("cls", W4A16_BACKENDS)
-@pytest.mark.parametrize("gated", [True, False], ids=["silu", "relu2"])
-@pytest.mark.parametrize("e,topk", [(8, 2), (16, 4)], ids=["E8_top2", "E16_top4"])
-@pytest.mark.parametrize("m,n,k", W4A16_MNK, ids=_mnk_ids(W4A16_MNK))
-def test_flashinfer_b12x_w4a16_moe(m, n, k, e, topk, gated, cls):
-    # W4A16 (weight-only NVFP4, BF16 activations): the same class, selected by
-    # the oracle's W4A16 quant config, in FlashInfer's packed layout.
-    act = MoEActivation.SILU if gated else MoEActivation.RELU2_NO_MUL
-    seed = m * 1000 + e * 10 + topk
-    w1, w2 = bf16_experts(e, n, k, gated=gated, seed=seed)
-    # Real checkpoint magnitudes (std 0.02), unit-variance FC outputs anyway
-    # (the activations are scaled up instead of the weights down).
-    w1, w2 = w1.float() * 0.02 * k**0.5, w2.float() * 0.02 * n**0.5
-    tensors = quantize_experts_modelopt(w1, w2, gated=gated)
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = (torch.randn(m, k, generator=gen) / (0.02 * k**0.5)).bfloat16()
-    logits = torch.randn(m, e, generator=gen)
-    layer, experts = _prepared(
-        cls, tensors, e, topk, k, n, act, _device(cls), weight_only=True
-    )
-    assert experts.weight_only and experts.prepared.w13.dtype == torch.int32
-    out = _run(experts, layer, x, logits, topk, act)
-    assert out.shape == (m, k) and out.dtype == torch.bfloat16
-    name = "silu" if gated else "relu2"
-    dw1, dw2 = dequantized_experts(tensors, gated=gated)
-    ref = moe_reference.torch_moe(x, dw1, dw2, logits, topk, True, name)
-    err = rel_rms_error(out, ref)
-    assert err < W4A16_TOL, f"W4A16 vs dequantized: {err:.4f}"
-    wrong = moe_reference.torch_moe(x, _swap_halves(dw1), dw2, logits, topk, True, name)
-    control = rel_rms_error(out, wrong)
-    assert control > BF16_ACTIVATIONS_CONTROL_MARGIN * W4A16_TOL, control
-
-
-@pytest.mark.parametrize("cls", [FlashInferB12xExperts, FlashInferB12xEmulatedExperts])
-def test_experts_take_upstreams_arguments_and_refuse_before_preparation(cls):
-    silu = MoEActivation.SILU
-    e, n, k = 8, 128, 256
-    w1, w2 = bf16_experts(e, n, k, gated=True, seed=3)
-    layer = NVFP4ExpertsLayer(quantize_experts_modelopt(w1, w2, gated=True), silu)
-    moe, qc = _config(e, 2, k, n, silu), b12x_quant_config(layer, False)
-    experts = cls(moe_config=moe, quant_config=qc)
-    assert experts.moe_config is moe and experts.quant_config is qc
-    assert experts.w1_sf_mma is None and experts.w2_sf_mma is None
-    assert experts.expects_unquantized_inputs
-    assert experts.workspace_shapes(4, 2 * n, k, 2, e, e, None, silu)[2] == (4, k)
-    x = torch.zeros(2, k, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="before process_weights_after_loading"):
-        _run(experts, layer, x, torch.zeros(2, e), 2, silu)
+    prepared = kernel.fused_experts._weights
+    assert torch.equal(prepared.w13_global_scale, want.w13_global_scale)
+    assert torch.equal(prepared.w2_global_scale, want.w2_global_scale)

@@ -1,442 +1,104 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""FlashInfer b12x NVFP4 MoE experts (SM120/SM121)."""
+"""The branch's definitions in vLLM's fused_moe/experts/flashinfer_b12x_moe.py."""
 
-from __future__ import annotations
-
+import dataclasses
 from typing import Any
 
 import torch
 
-import vllm.envs as envs
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.config import (
     FusedMoEConfig,
-    FusedMoEParallelConfig,
     FusedMoEQuantConfig,
-)
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_call import (
-    B12X_ACTIVATIONS,
-    b12x_config_problems,
-    flashinfer_takes_input_global_scale,
-    flashinfer_w4a16_prepared_call,
-    is_flashinfer_b12x_moe_available,
-    make_b12x_wrapper,
-    warn_fold_fallback,
-)
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a4 import (
-    B12xW4A4Tensors,
-    B12xW4A4Weights,
-)
-from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_w4a16 import (
-    B12xW4A16Weights,
-    W4A16PackedWeights,
-    flashinfer_packed_weights,
-    w4a16_launch_kwargs,
-)
-from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
-    TopKWeightAndReduceNoOP,
-)
-from vllm.model_executor.layers.fused_moe.weight_prep_guard import (
-    check_unchanged,
-    get_prep_state,
-    guarded_preparation,
-)
-from vllm.model_executor.layers.fused_moe.weight_prep_state import PrepStatus
-from vllm.model_executor.layers.fused_moe.weight_prep_steps import (
-    PrepStep,
-    restore_load_layout,
-    run_preparation_steps,
-)
-from vllm.model_executor.layers.quantization.utils.bounded_chunks import (
-    DEFAULT_MAX_TRANSIENT_BYTES,
-    check_cap,
 )
 from vllm.model_executor.layers.quantization.utils.quant_utils import (
     QuantKey,
-    kNvfp4Dynamic,
     kNvfp4Static,
 )
-
-#: How the weights' per-expert global scales reach the kernel (W4A4):
-#: "alpha" (default) keeps them as the kernel's alphas and every FP8 block
-#: scale as loaded; "fold" multiplies them into the block scales and passes
-#: alphas of 1 (loses precision at real weight magnitudes).
-GLOBAL_SCALE_MODES = ("alpha", "fold")
+from vllm.model_executor.utils import refill_derived
+from vllm.utils.flashinfer import flashinfer_convert_sf_to_mma_layout
 
 
 class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
-    """NVFP4 MoE experts on FlashInfer's b12x kernel (SM120/SM121): W4A4
-    (``quant_config.quant_dtype == "nvfp4"``: BF16 activations quantized
-    inside the kernel) or W4A16 (``quant_config.use_nvfp4_w4a16``: BF16
-    activations, FlashInfer's W4A16 layout, expert parallelism through
-    ``expert_map``). ``silu``, ``gelu_tanh`` and ``relu2_no_mul``.
-
-    ``process_weights_after_loading`` rewrites the layer's parameters into
-    the kernel's layout in their own storage, every step within
-    ``max_transient_bytes`` (an argument, 64 MiB by default), and
-    records each step in ``layer.weight_prep_state``: called again it
-    changes nothing, after an exception it resumes, and
-    :meth:`restore_load_layout` takes the layer back to the layout its
-    weight loader writes (a reload). The layouts and steps:
-    ``flashinfer_b12x_w4a4`` and ``flashinfer_b12x_w4a16``.
-
-    ``global_scale_mode`` (W4A4; ``VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE``):
-    "alpha" (default) or "fold", see :data:`GLOBAL_SCALE_MODES`.
-    """
-
     def __init__(
         self,
         moe_config: FusedMoEConfig,
         quant_config: FusedMoEQuantConfig,
-        *,
-        max_transient_bytes: int | None = None,
-        global_scale_mode: str | None = None,
     ):
         super().__init__(moe_config=moe_config, quant_config=quant_config)
-        self.max_num_tokens = moe_config.max_num_tokens
-        # The layer's shape, as the modular kernel reads it.
+        assert quant_config.quant_dtype == "nvfp4", (
+            "FlashInferB12xExperts only supports nvfp4 quantization."
+        )
         self.out_dtype = moe_config.in_dtype
         self.num_local_experts = moe_config.num_local_experts
         self.ep_rank = moe_config.moe_parallel_config.ep_rank
+        # Per-expert input scales and FC2 alpha, bound in
+        # process_weights_after_loading so that apply() allocates nothing.
+        self._fc1_input_scale: torch.Tensor | None = None
+        self._fc2_input_scale: torch.Tensor | None = None
+        self._w2_alpha: torch.Tensor | None = None
+
+        # Shape params for B12xMoEWrapper construction.
         self.global_num_experts = moe_config.num_experts
         self.topk = moe_config.experts_per_token
         self.hidden_dim = moe_config.hidden_dim
         self.intermediate_size_per_partition = (
             moe_config.intermediate_size_per_partition
         )
+        self.max_num_tokens = moe_config.max_num_tokens
         self.local_expert_offset = self.ep_rank * self.num_local_experts
-        if quant_config.use_nvfp4_w4a16:
-            self.weight_only = True
-        elif quant_config.quant_dtype == "nvfp4":
-            self.weight_only = False
-        else:
+
+        activation = moe_config.activation
+        if activation not in self._ACTIVATION_MAP:
             raise ValueError(
-                "FlashInferB12xExperts runs NVFP4 weights with NVFP4 or 16-bit "
-                f"activations, got activations {quant_config.quant_dtype!r} and "
-                f"weights {quant_config.weight_quant_dtype!r}"
+                f"FlashInferB12xExperts does not support "
+                f"activation {activation!r}. "
+                f"Supported: {list(self._ACTIVATION_MAP.keys())}"
             )
-        if max_transient_bytes is None:
-            max_transient_bytes = DEFAULT_MAX_TRANSIENT_BYTES
-        self.max_transient_bytes = check_cap(max_transient_bytes)
-        if global_scale_mode is None:
-            global_scale_mode = envs.VLLM_FLASHINFER_B12X_GLOBAL_SCALE_MODE
-        if global_scale_mode not in GLOBAL_SCALE_MODES:
-            raise ValueError(
-                f"global_scale_mode must be one of {GLOBAL_SCALE_MODES}, got "
-                f"{global_scale_mode!r}"
-            )
-        if self.weight_only and global_scale_mode != "alpha":
-            # The W4A16 kernel multiplies each GEMM by its own per-expert
-            # global scale: nothing to fold.
-            raise ValueError(
-                "W4A16 experts take the global scales as the kernel's alphas: "
-                f"global_scale_mode must be 'alpha', got {global_scale_mode!r}"
-            )
-        self.global_scale_mode = global_scale_mode
-        self.check_kernel_config(moe_config, self.weight_only)
-        self.weights: B12xW4A4Weights | B12xW4A16Weights
-        if self.weight_only:
-            self.weights = B12xW4A16Weights(moe_config, self.max_transient_bytes)
-        else:
-            self.weights = B12xW4A4Weights(
-                moe_config, self.max_transient_bytes, self._scale_mode, quant_config
-            )
-        #: What the kernel reads of the prepared layer, set by
-        #: process_weights_after_loading (W4A4: B12xW4A4Tensors; W4A16:
-        #: W4A16PackedWeights); None while the layer is not prepared.
-        #: (``w1_sf_mma``, ``w2_sf_mma``, ``_fc2_input_scale``: its W4A4 fields.)
-        self.prepared: B12xW4A4Tensors | W4A16PackedWeights | None = None
-        # The layer's preparation state and the layer: apply tests the
-        # state's ready flag, set and cleared at the weights' events.
-        self._guard: tuple[Any, torch.nn.Module] | None = None
-        # FlashInfer's objects, built on the first apply (they need the
-        # device): the W4A4 wrapper, or the W4A16 prepared-weights record
-        # with the binding it was made of.
+        self._activation_str = self._ACTIVATION_MAP[activation]
+
+        # Lazily created on first apply() call.
         self._wrapper: Any | None = None
-        self._flashinfer_packed: tuple[W4A16PackedWeights, Any] | None = None
+        self.w1_sf_mma: torch.Tensor | None = None
+        self.w2_sf_mma: torch.Tensor | None = None
 
-    def _w4a4_field(self, name: str) -> torch.Tensor | None:
-        t = self.prepared
-        return getattr(t, name) if isinstance(t, B12xW4A4Tensors) else None
-
-    @property
-    def w1_sf_mma(self) -> torch.Tensor | None:
-        """FC1's block scales as the kernel's MMA view (W4A4, prepared)."""
-        return self._w4a4_field("w1_sf_mma")
-
-    @property
-    def w2_sf_mma(self) -> torch.Tensor | None:
-        """FC2's block scales as the kernel's MMA view (W4A4, prepared)."""
-        return self._w4a4_field("w2_sf_mma")
-
-    @property
-    def _fc2_input_scale(self) -> torch.Tensor | None:
-        return self._w4a4_field("fc2_input_scale")
-
-    @classmethod
-    def check_kernel_config(cls, moe: FusedMoEConfig, weight_only: bool) -> None:
-        """ValueError listing what FlashInfer's b12x kernel (0.7.4) cannot run
-        in ``moe`` (W4A4, or W4A16 when ``weight_only``)."""
-        problems = b12x_config_problems(moe, weight_only)
-        if problems:
-            mode = "W4A16" if weight_only else "W4A4"
-            raise ValueError(
-                f"FlashInfer b12x ({mode}) cannot run this MoE layer: "
-                + "; ".join(problems)
-            )
-
-    @staticmethod
-    def is_supported_config(
-        cls: type[mk.FusedMoEExperts],
-        moe_config: FusedMoEConfig,
-        weight_key: QuantKey | None,
-        activation_key: QuantKey | None,
-        activation_format: mk.FusedMoEActivationFormat,
-    ) -> tuple[bool, str | None]:
-        supported, reason = mk.FusedMoEExperts.is_supported_config(
-            cls, moe_config, weight_key, activation_key, activation_format
-        )
-        if not supported:
-            device = is_flashinfer_b12x_moe_available()
-            if not cls._supports_current_device() and not device:
-                reason = f"kernel does not support the current device: {device.reason}"
-            return False, reason
-        problems = b12x_config_problems(moe_config, activation_key is None)
-        if problems:
-            return False, "; ".join(problems)
-        if activation_key is None:
-            call = flashinfer_w4a16_prepared_call()
-            if not call:
-                return False, call.reason
-        return True, None
-
-    @staticmethod
-    def activation_format() -> mk.FusedMoEActivationFormat:
-        return mk.FusedMoEActivationFormat.Standard
-
-    @staticmethod
-    def _supports_current_device() -> bool:
-        return bool(is_flashinfer_b12x_moe_available())
-
-    @staticmethod
-    def _supports_no_act_and_mul() -> bool:
-        return True
-
-    @staticmethod
-    def _supports_quant_scheme(
-        weight_key: QuantKey | None,
-        activation_key: QuantKey | None,
-    ) -> bool:
-        # W4A4 (activations quantized inside the kernel) and W4A16.
-        return (weight_key, activation_key) in (
-            (kNvfp4Static, kNvfp4Dynamic),
-            (kNvfp4Static, None),
-        )
-
-    @staticmethod
-    def _supports_activation(activation: MoEActivation) -> bool:
-        return activation in B12X_ACTIVATIONS
-
-    @staticmethod
-    def _supports_parallel_config(moe_parallel_config: FusedMoEParallelConfig) -> bool:
-        # Expert parallelism with W4A16 only: is_supported_config checks it.
-        return True
-
-    def supports_expert_map(self) -> bool:
-        return self.weight_only
-
-    def finalize_weight_and_reduce_impl(self) -> mk.TopKWeightAndReduce:
-        # The kernel applies the top-k weights and reduces itself.
-        return TopKWeightAndReduceNoOP()
-
-    def workspace_shapes(
-        self,
-        M: int,
-        N: int,
-        K: int,
-        topk: int,
-        global_num_experts: int,
-        local_num_experts: int,
-        expert_tokens_meta: mk.ExpertTokensMetadata | None,
-        activation: MoEActivation,
-    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        # FlashInfer manages its own workspaces.
-        return (1,), (0,), (M, K)
-
-    @property
-    def expects_unquantized_inputs(self) -> bool:
-        # BF16 hidden states: the kernel quantizes them itself (W4A4).
-        return True
-
-    @classmethod
-    def supports_unfolded_alpha(cls) -> bool:
-        """Whether the kernel takes ``input_global_scale`` (FlashInfer >=
-        0.6.17), so that ``w1_alpha`` can carry the weight's global scale
-        without also scaling the FC1 input quantization."""
-        return bool(flashinfer_takes_input_global_scale())
-
-    def _scale_mode(self) -> str:
-        return self.effective_global_scale_mode
-
-    @property
-    def effective_global_scale_mode(self) -> str:
-        """``global_scale_mode``, or "fold" where the kernel cannot take an
-        unfolded alpha (an older FlashInfer; logged once, with the reason)."""
-        if (
-            self.global_scale_mode == "alpha"
-            and not self.weight_only
-            and not self.supports_unfolded_alpha()
-        ):
-            warn_fold_fallback(flashinfer_takes_input_global_scale().reason)
-            return "fold"
-        return self.global_scale_mode
-
-    # -- weight preparation ---------------------------------------------------
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Prepare ``layer``'s NVFP4 parameters for b12x in place (see the
-        class doc). Parameters keep their identity; a swizzled scale whose
-        storage had no room for its padding becomes a new padded tensor.
-        Skips the reorder when the loader already placed w13 as [w3; w1]
-        (``layer.w13_loaded_as_w3w1``)."""
-        self._prepare(layer)
+        # The block scales stay as loaded: each expert's global weight scale is
+        # its FP32 alpha, and the kernel quantizes each expert's input with the
+        # calibrated scale (dequantization direction, 1 / gscale; 1 without
+        # one). FC2 multiplies its output by w2_alpha alone.
+        assert self.g2_alphas is not None
+        ones = torch.ones_like(self.g2_alphas, dtype=torch.float32)
+        a1 = ones if self.a1_gscale is None else ones / self.a1_gscale
+        a2 = ones if self.a2_gscale is None else ones / self.a2_gscale
+        self._fc1_input_scale = refill_derived(layer, "_experts_fc1_input_scale", a1)
+        self._fc2_input_scale = refill_derived(layer, "_experts_fc2_input_scale", a2)
+        self._w2_alpha = refill_derived(layer, "_experts_w2_alpha", self.g2_alphas * a2)
 
-    def _prepare(self, layer: torch.nn.Module, step: str | None = None) -> None:
-        """The preparation, in order (``step``: that step only):
-
-        1. the layer's record locked, its parameters' ``weight_loader``
-           guarded, a layer prepared before checked unchanged
-           (``weight_prep_guard.guarded_preparation``);
-        2. the layout's steps not yet done, each recorded
-           (``weight_prep_steps``; a RESTORING layer is restored first);
-        3. once PREPARED, the kernel's views bound (the layout's ``bind``)
-           and the layer's fingerprints recorded (the guard, as the block
-           ends); then ``apply`` may run, unchecked.
-        """
-        with guarded_preparation(layer) as state:
-            run_preparation_steps(layer, state, self.weights, step)
-            if state.status is PrepStatus.PREPARED:
-                self.prepared = self.weights.bind(layer, state, self.prepared)
-        if state.status is PrepStatus.PREPARED:
-            # Recorded as the block ended: apply may run from here (before,
-            # e.g. after an interrupt in the record, it refuses).
-            self._guard = (state, layer)
-
-    def preparation_steps(self, layer: torch.nn.Module) -> list[PrepStep]:
-        """The preparation of ``layer`` as named steps, in the order they run
-        (the layout's own functions, unrecorded: run them through
-        :meth:`run_preparation_step`, or all through
-        :meth:`run_preparation`)."""
-        return self.weights.preparation_steps(layer, get_prep_state(layer))
-
-    def run_preparation(self, layer: torch.nn.Module) -> None:
-        """Run the preparation steps not yet done, in order (a resume after an
-        exception); binds the kernel's views once the layer is prepared.
-        Holds the layer's lock."""
-        self._prepare(layer)
-
-    def run_preparation_step(self, layer: torch.nn.Module, name: str) -> None:
-        """Run the one step ``name`` of :meth:`preparation_steps`, recorded;
-        RuntimeError when the step before it is not done (nothing runs then),
-        ValueError for an unknown name; a step done is not run again. The
-        last step binds the kernel's views. Holds the layer's lock."""
-        self._prepare(layer, name)
-
-    def bind_prepared(self, layer: torch.nn.Module, previous: Any = None) -> None:
-        """Make the kernel's views of a prepared layer's parameters (no copy
-        of a weight): after the preparation, and for a copy of a prepared
-        layer (``copy.deepcopy``, ``load_state_dict``). The tensors derived
-        from the weights (alphas, scales) are copied into those of
-        ``previous`` (default: the binding these experts had), where shapes
-        match, so that every address a captured CUDA graph holds stays
-        valid (a reload builds new experts: it passes the old binding)."""
-        state = get_prep_state(layer)
-        if previous is None:
-            previous = self.prepared
-        self.prepared = self.weights.bind(layer, state, previous)
-        self._guard = (state, layer)
-
-    def drop_prepared(self) -> None:
-        """Forget the kernel's views: ``apply`` refuses until the layer is
-        prepared again."""
-        self.prepared = None
-        self._flashinfer_packed = None
-        self._guard = None
-
-    def restore_load_layout(self, layer: torch.nn.Module) -> None:
-        """Return the layer, from any state, to the layout its weight loader
-        writes, in place and within the cap, so that new weights can be
-        loaded into it (RL weight updates, sleep-mode wake-up).
-
-        A step of an interrupted preparation that had started is finished;
-        then the steps done are undone (W4A4: unswizzle, reorder back when
-        the layer was loaded as [w1; w3], global scales as loaded; a fold
-        stays recorded in ``weight_prep_state.folds``; W4A16: unpacked). The
-        kernel's views are dropped. Resumable after an exception.
-
-        Where the bytes cannot be trusted (parameters modified, replaced or
-        converted since the preparation, e.g. ``layer.to(torch.bfloat16)``)
-        or the exact restore fails, the parameters get the load layout's
-        shapes and dtypes (reusing their storage where it fits) and the
-        layer is marked torn: preparing it is refused until a complete
-        reload. Holds the layer's lock.
-        """
-        state = get_prep_state(layer)
-        with state.lock:
-            self.drop_prepared()
-            restore_load_layout(self.weights, layer, state)
-
-    # -- copies (copy.deepcopy, pickle, torch.save) --------------------------
-    def __getstate__(self) -> dict[str, Any]:
-        # The kernel's views are made again from the copy's own parameters
-        # (W4A16's int32 views of uint8 parameters cannot even be saved), and
-        # FlashInfer's objects are the device's.
-        d = dict(self.__dict__)
-        d.update(
-            prepared=None,
-            _wrapper=None,
-            _flashinfer_packed=None,
+        # Precompute MMA-layout views of the weight scale factors once here
+        # rather than recomputing on every forward pass.
+        assert self.w1_scale is not None
+        num_experts_w1, m1, k1_sf = self.w1_scale.shape
+        k1 = k1_sf * 16
+        self.w1_sf_mma = flashinfer_convert_sf_to_mma_layout(
+            self.w1_scale.reshape(num_experts_w1 * m1, k1_sf),
+            m=m1,
+            k=k1,
+            num_groups=num_experts_w1,
         )
-        return d
 
-    def _check_prepared(self) -> None:
-        """What ``apply`` runs when the layer's ``ready`` flag is clear (never
-        in steady state): RuntimeError when the layer is not prepared or an
-        event saw its weights change (``check_unchanged``'s message); binds
-        the views of a copy of prepared experts; sets the flag again."""
-        if self._guard is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.apply called before "
-                "process_weights_after_loading prepared the layer's weights"
-            )
-        bound, layer = self._guard
-        state = get_prep_state(layer)
-        if state is not bound:  # a new record (layerwise reload)
-            self.prepared = None
-        if self.prepared is None and state.status is PrepStatus.PREPARED:
-            check_unchanged(state, layer)
-            self.bind_prepared(layer)  # a copy of prepared experts
-        if state.status is not PrepStatus.PREPARED:
-            raise RuntimeError(
-                "the MoE layer's weights are not prepared (status "
-                f"{state.status.value}): call process_weights_after_loading"
-            )
-        check_unchanged(state, layer)
-        state.ready = True
+        assert self.w2_scale is not None
+        num_experts_w2, m2, k2_sf = self.w2_scale.shape
+        k2 = k2_sf * 16
+        self.w2_sf_mma = flashinfer_convert_sf_to_mma_layout(
+            self.w2_scale.reshape(num_experts_w2 * m2, k2_sf),
+            m=m2,
+            k=k2,
+            num_groups=num_experts_w2,
+        )
 
-    def _state_for_apply(self):
-        """The layer's preparation state (RuntimeError before any
-        preparation). ``apply`` holds its lock and runs
-        :meth:`_check_prepared` only when its ``ready`` flag is clear: one
-        flag test per call, the check itself after an event (see
-        ``weight_prep_guard``)."""
-        if self._guard is None:
-            self._check_prepared()
-            assert self._guard is not None  # it binds the layer or raises
-        return self._guard[0]
-
-    # -- compute --------------------------------------------------------------
     def apply(
         self,
         output: torch.Tensor,
@@ -454,70 +116,134 @@ class FlashInferB12xExperts(mk.FusedMoEExpertsModular):
         workspace2: torch.Tensor | None,
         expert_tokens_meta: mk.ExpertTokensMetadata | None,
         apply_router_weight_on_input: bool | None,
-    ) -> None:
-        """One call of FlashInfer's b12x MoE on the prepared layer, into
-        ``output`` [M, K]. Creates nothing per call here, and nothing new in
-        FlashInfer's caches once the first call has built its objects."""
-        state = self._state_for_apply()
-        with state.lock:  # a reload or preparation of this layer waits
-            if not state.ready or self.prepared is None:
-                self._check_prepared()
-            if self.weight_only:
-                self._run_w4a16(
-                    output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map
-                )
-            else:
-                result = self._run_w4a4(hidden_states, w1, w2, topk_weights, topk_ids)
-                output.copy_(result)
-
-    def _run_w4a4(self, hidden_states, w1, w2, topk_weights, topk_ids):
-        t = self.prepared
-        assert isinstance(t, B12xW4A4Tensors)  # apply checked it is bound
-        if self._wrapper is None:
-            self._wrapper = make_b12x_wrapper(self.moe_config, hidden_states.device)
-        extra = {}
-        if t.fc1_input_scale is not None:
-            # The FC1 input's own scale (calibrated); w1_alpha is then the
-            # weight's global scale alone (the wrapper multiplies the two).
-            extra["input_global_scale"] = t.fc1_input_scale
-        return self._wrapper.run(
-            hidden_states,
-            w1,
-            t.w1_sf_mma,
-            w2,
-            t.w2_sf_mma,
-            topk_ids.to(torch.int32),  # fused_topk's ids are int32: no copy
-            topk_weights.float(),  # float32 already: no copy
-            w1_alpha=t.w1_alpha,
-            w2_alpha=t.w2_alpha,
-            fc2_input_scale=t.fc2_input_scale,
-            **extra,
+    ):
+        assert self.w1_scale is not None and self.w2_scale is not None, (
+            "w1_scale and w2_scale must not be None for FlashInferB12xExperts"
+        )
+        assert self.g1_alphas is not None and self.g2_alphas is not None, (
+            "g1_alphas and g2_alphas must not be None for FlashInferB12xExperts"
+        )
+        assert self._fc2_input_scale is not None, (
+            "_fc2_input_scale must be set by process_weights_after_loading"
+        )
+        assert self.w1_sf_mma is not None and self.w2_sf_mma is not None, (
+            "process_weights_after_loading must run before FlashInferB12xExperts.apply"
         )
 
-    def _run_w4a16(
-        self, output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map
-    ):
-        call = flashinfer_w4a16_prepared_call()
-        if not call:
-            raise RuntimeError(f"W4A16 b12x kernel: {call.reason}")
-        from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch
+        self._ensure_wrapper()
+        wrapper = self._wrapper
+        assert wrapper is not None
 
-        pw = self.prepared
-        assert isinstance(pw, W4A16PackedWeights)  # apply checked it is bound
-        if self._flashinfer_packed is None or self._flashinfer_packed[0] is not pw:
-            packed = flashinfer_packed_weights(pw, hidden_states.device)
-            self._flashinfer_packed = (pw, packed)
-        moe_dispatch.launch_sm120_moe(
-            **w4a16_launch_kwargs(
-                self.moe_config,
-                pw,
-                self._flashinfer_packed[1],
-                hidden_states,
-                w1,
-                w2,
-                topk_weights,
-                topk_ids,
-                expert_map,
-                output,
+        wrapper_output = wrapper.run(
+            x=hidden_states,
+            w1_weight=w1,
+            w1_weight_sf=self.w1_sf_mma,
+            w1_alpha=self.g1_alphas,
+            input_global_scale=self._fc1_input_scale,
+            fc2_input_scale=self._fc2_input_scale,
+            w2_weight=w2,
+            w2_weight_sf=self.w2_sf_mma,
+            w2_alpha=self._w2_alpha,
+            token_selected_experts=topk_ids.to(torch.int32),
+            token_final_scales=topk_weights,
+        )
+        output.copy_(wrapper_output)
+
+
+class FlashInferB12xW4A16Experts(FlashInferB12xExperts):
+    """W4A16 NVFP4 checkpoints (BF16 activations) on FlashInfer's SM12x W4A16
+    kernel. Each expert's weights and block scales are rewritten in place, in
+    FlashInfer's W4A16 layout (the same bytes)."""
+
+    def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
+        mk.FusedMoEExpertsModular.__init__(self, moe_config, quant_config)
+        assert quant_config.use_nvfp4_w4a16
+        self.num_local_experts = moe_config.num_local_experts
+        self.global_num_experts = moe_config.num_experts
+        self.topk = moe_config.experts_per_token
+        self._activation_str = self._ACTIVATION_MAP[moe_config.activation]
+        self._weights: Any | None = None
+
+    @staticmethod
+    def _supports_quant_scheme(
+        weight_key: QuantKey | None,
+        activation_key: QuantKey | None,
+    ) -> bool:
+        return (weight_key, activation_key) == (kNvfp4Static, None)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        from flashinfer.fused_moe.cute_dsl.blackwell_sm12x.moe_w4a16_prepare import (  # noqa: E501
+            prepare_w4a16_modelopt_nvfp4_weights,
+        )
+
+        assert self.g1_alphas is not None and self.g2_alphas is not None
+        w13, w13_scale = layer.w13_weight, layer.w13_weight_scale
+        w2, w2_scale = layer.w2_weight, layer.w2_weight_scale
+        g1, g2 = torch.empty_like(self.g1_alphas), torch.empty_like(self.g2_alphas)
+        for e in range(self.num_local_experts):
+            p = prepare_w4a16_modelopt_nvfp4_weights(
+                *(w13[e : e + 1], w13_scale[e : e + 1], self.g1_alphas[e : e + 1]),
+                *(w2[e : e + 1], w2_scale[e : e + 1], self.g2_alphas[e : e + 1]),
+                activation=self._activation_str,
+                w13_layout="w31",  # reordered to [w3, w1] already
+                reuse_input_storage=True,
             )
+            w13_scale[e].view(-1).copy_(p.w13_scale.view(-1))
+            w2_scale[e].view(-1).copy_(p.w2_scale.view(-1))
+            g1[e], g2[e] = p.w13_global_scale, p.w2_global_scale
+        e = self.num_local_experts
+        self._weights = dataclasses.replace(
+            p,
+            w13=w13.view(torch.int32).view(e, *p.w13.shape[1:]),
+            w13_scale=w13_scale.view(e, *p.w13_scale.shape[1:]),
+            w13_global_scale=refill_derived(layer, "_experts_w4a16_g1", g1),
+            w2=w2.view(torch.int32).view(e, *p.w2.shape[1:]),
+            w2_scale=w2_scale.view(e, *p.w2_scale.shape[1:]),
+            w2_global_scale=refill_derived(layer, "_experts_w4a16_g2", g2),
+            num_experts=e,
+        )
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: MoEActivation,
+        global_num_experts: int,
+        expert_map: torch.Tensor | None,
+        a1q_scale: torch.Tensor | None,
+        a2_scale: torch.Tensor | None,
+        workspace13: torch.Tensor | None,
+        workspace2: torch.Tensor | None,
+        expert_tokens_meta: mk.ExpertTokensMetadata | None,
+        apply_router_weight_on_input: bool | None,
+    ):
+        # FlashInfer's public B12xMoEWrapper would keep a W4A16 copy of the
+        # weights beside the checkpoint's; these are prepared in place.
+        from flashinfer.fused_moe.cute_dsl.blackwell_sm12x.moe_dispatch import (
+            launch_sm120_moe,
+        )
+
+        w = self._weights
+        assert w is not None, "process_weights_after_loading must run first"
+        launch_sm120_moe(
+            a=hidden_states,
+            topk_ids=topk_ids.to(torch.int32),
+            topk_weights=topk_weights,
+            w1_weight=w1,
+            w1_weight_sf=w.w13_scale,
+            w1_alpha=w.w13_global_scale,
+            w2_weight=w2,
+            w2_weight_sf=w.w2_scale,
+            w2_alpha=w.w2_global_scale,
+            num_experts=self.global_num_experts,
+            top_k=self.topk,
+            num_local_experts=self.num_local_experts,
+            scatter_output=output,
+            activation=self._activation_str,
+            quant_mode="w4a16",
+            _prepared_weights=w,
         )

@@ -1,3 +1,0 @@
-# SPDX-License-Identifier: Apache-2.0
-# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Prepare/finalize implementations (token dispatch and combine)."""
