@@ -127,6 +127,14 @@ def match(node, text: str, who: str, statement=False, of_if=False) -> cst.CSTNod
     return hits[0]
 
 
+def _is_expression(text: str) -> bool:
+    try:
+        cst.parse_expression(text)
+    except (cst.ParserSyntaxError, SyntaxError):
+        return False
+    return True
+
+
 def reads(*nodes: cst.CSTNode) -> set[str]:
     """The names code reads or assigns (ast's: not attribute names, keywords,
     parameters, imports or the names of definitions)."""
@@ -231,13 +239,17 @@ def drop_unused_imports(before: cst.Module, after: cst.Module, path: str):
 
 
 def sort_imports(text: str, path: str, package: str, who: str) -> str:
-    """``text`` (of the file ``path``) with its import blocks as upstream's
-    pre-commit leaves them: ruff's isort (``ruff check --select I --fix``,
-    ``package`` and tests/ first-party)."""
+    """``text`` (of the file ``path``) as upstream's pre-commit leaves it:
+    ruff's isort (``ruff check --select I --fix``, ``package`` and tests/
+    first-party), then ``ruff format`` with upstream's settings."""
     first = f"lint.isort.known-first-party = [{package!r}, 'tests']"
     cmd = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache"]
     cmd += ["--select", "I", "--fix", "--config", first, "--stdin-filename", path]
-    return run([*cmd, "-"], f"{who}: ruff's import sorting", input=text, strip=False)
+    text = run([*cmd, "-"], f"{who}: ruff's import sorting", input=text, strip=False)
+    # upstream's pre-commit formats too: only the branch's lines can change
+    cmd = [sys.executable, "-m", "ruff", "format", "--isolated", "--no-cache"]
+    cmd += ["--config", "format.docstring-code-format = true", "--stdin-filename"]
+    return run([*cmd, path, "-"], f"{who}: ruff format", input=text, strip=False)
 
 
 def add_definition(
@@ -257,8 +269,9 @@ def add_definition(
         raise ToolError(f"{who}: {qualname}: upstream defines it: replace it")
     node = find(br, qualname, who)
     i = [s is node for s in b_body].index(True)
-    later = [u_names.index(n) for n in b_names[i + 1 :] if n in u_names]
-    earlier = [u_names.index(n) + 1 for n in b_names[:i] if n in u_names]
+    # by the definitions both have: imports and other unnamed statements differ
+    later = [u_names.index(n) for n in b_names[i + 1 :] if n and n in u_names]
+    earlier = [u_names.index(n) + 1 for n in b_names[:i] if n and n in u_names]
     u_body.insert((later or earlier[-1:] or [len(u_body)])[0], node)
     if not parent:
         return up.with_changes(body=u_body)
@@ -286,6 +299,14 @@ def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
             )
         seq = [*new, anchor] if e.kind == "insert_before" else [anchor, *new]
         return up.deep_replace(anchor, cst.FlattenSentinel(seq)), reads(*new)
+    if e.kind == "decorate":  # target gets the decorator ``anchor`` first
+        dec = cst.Decorator(decorator=cst.parse_expression(e.anchor))
+        decorated = target.with_changes(decorators=[dec, *target.decorators])
+        return up.deep_replace(target, decorated), reads(dec.decorator)
+    if e.kind == "replace" and not _is_expression(e.anchor):  # a statement
+        anchor = match(target, e.anchor, who, statement=True)
+        block = parse(textwrap.dedent(e.code), who)
+        return up.deep_replace(anchor, cst.FlattenSentinel(block.body)), set()
     if e.kind == "replace":
         anchor = match(target, e.anchor, who)
         new = cst.parse_expression(e.code).with_changes(

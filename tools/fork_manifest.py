@@ -23,7 +23,7 @@ __all__ = ["DEFAULT_MANIFEST", "Edit", "FileEntry", "Manifest", "Release"]
 __all__ += ["load_manifest", "sha256"]
 
 DEFAULT_MANIFEST = ROOT / "tools" / "fork_manifest.toml"
-_EDITS = ("insert_before", "insert_after", "replace", "remove")
+_EDITS = ("insert_before", "insert_after", "replace", "remove", "decorate")
 
 
 def sha256(path: Path) -> str:
@@ -91,9 +91,10 @@ class PullRequest:
 class Edit:
     """An edit inside the upstream definition ``inside`` ("f" or "C.m"):
     insert_before/insert_after the statement ``anchor`` the statements
-    ``code`` (or the branch's ``if <take>:``), replace the expression
-    ``anchor`` by ``code``, or remove the element ``anchor`` of the list or
-    tuple ``within``. Each anchor must match exactly once."""
+    ``code`` (or the branch's ``if <take>:``), replace the expression or
+    statement ``anchor`` by ``code``, remove the element ``anchor`` of the
+    list or tuple ``within``, or decorate ``inside`` with ``anchor``. Each
+    anchor must match exactly once."""
 
     kind: str
     inside: str
@@ -168,6 +169,9 @@ def _table(
     return d
 
 
+_RELEASE_KEYS = {"wheel", "wheel_sha256", "sdist", "sdist_sha256"}
+
+
 def _keys(cls: type) -> set[str]:
     return {f.name for f in fields(cls)}
 
@@ -181,7 +185,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
     need = {"package", "local_label", "releases", "prs"}
     top = _table(data, Path(path).name, need, {"files", "buildkite"})
     releases = {
-        v: Release(v, **_table(r, f"releases.{v}", _keys(Release) - {"version"}))
+        v: Release(v, **_table(r, f"releases.{v}", _RELEASE_KEYS, {"requirements"}))
         for v, r in top["releases"].items()
     }
     prs, files = [], []
@@ -208,7 +212,7 @@ def load_manifest(path: Path = DEFAULT_MANIFEST) -> Manifest:
         files.append(FileEntry(**kw))
     files.sort(key=lambda e: order.index(e.pr))  # stable: PR order, then listed
     if (bk := top.get("buildkite")) is not None:
-        _table(bk, "buildkite", {"pr", "file", "step"})
+        _table(bk, "buildkite", {"file", "step"})
     return Manifest(
         top["package"], top["local_label"], releases, tuple(prs), tuple(files), bk
     )
