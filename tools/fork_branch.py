@@ -4,7 +4,6 @@
 
     python tools/fork_branch.py apply TREE VERSION [--source] [--pr ID ...]
     python tools/fork_branch.py hashes TREE VERSION  # the manifest's sha256 lines
-    python tools/fork_branch.py diff [TREE] [--release V]  # the PR pages' table
 
 Every drift sha256 is checked before anything is written; the rest of each
 upstream file stays byte for byte.
@@ -13,7 +12,6 @@ upstream file stays byte for byte.
 from __future__ import annotations
 
 import ast
-import difflib
 import os
 import symtable
 import sys
@@ -27,11 +25,8 @@ import fork_cst as fc
 from fork_manifest import FileEntry, Manifest, load_manifest
 from tool_cli import ROOT, ToolError, command, parser
 
-__all__ = ["BEGIN", "END", "BranchReport", "apply_branch", "branch_texts"]
-__all__ += ["diff_rows", "quote", "release_hashes", "render", "top_names"]
-
-#: docs/pr/README.md holds the diff table between these markers.
-BEGIN, END = "<!-- diff-report:begin -->", "<!-- diff-report:end -->"
+__all__ = ["BranchReport", "apply_branch", "branch_texts", "release_hashes"]
+__all__ += ["top_names"]
 
 
 @dataclass
@@ -243,74 +238,26 @@ def release_hashes(tree: Path, version: str, manifest=None, source=False) -> dic
     return _run(tree, version, ROOT, None, source, manifest, False)[2]
 
 
-def diff_rows(tree: Path, version: str, texts: dict | None = None) -> list[tuple]:
-    """(version, definition, path, upstream lines, kept, added, removed) per
-    definition the branch replaces or edits, in the manifest's order
-    (``texts``: :func:`branch_texts` of ``tree``, if already made)."""
-    manifest = load_manifest()
-    texts = texts or branch_texts(tree, version, manifest=manifest)
-    rows = []
-    for e in manifest.entries(version=version):
-        up = _read(tree / e.path, e.path) if e.changed else ""
-        for name in e.changed:
-            old = fc.definition_source(up, name, e.path).splitlines()
-            new = fc.definition_source(texts[e.path], name, e.path).splitlines()
-            match = difflib.SequenceMatcher(None, old, new, autojunk=False)
-            kept = sum(b.size for b in match.get_matching_blocks())
-            n_old, n_new = len(old), len(new)
-            rows.append(
-                (version, name, e.path, n_old, kept, n_new - kept, n_old - kept)
-            )
-    return rows
-
-
-def quote(row: tuple) -> str:
-    """How a PR page quotes one row."""
-    v, name, _, n, kept, added, removed = row
-    return f"`{name}` in {v}: {kept} of its {n} lines kept, +{added} -{removed}"
-
-
-def render(rows: list[tuple]) -> str:
-    lines = [
-        "| release | definition (file) | upstream lines | kept | added | removed |"
-    ]
-    lines.append("|---|---|---|---|---|---|")
-    for v, name, path, n, kept, added, removed in rows:
-        file = path.removeprefix("vllm/model_executor/").removeprefix("layers/")
-        lines.append(
-            f"| {v} | `{name}` ({file}) | {n} | {kept} | +{added} | -{removed} |"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__, releases=False)
     p.prog = "fork_branch"
-    p.add_argument("command", choices=("apply", "hashes", "diff"))
-    p.add_argument("tree", type=Path, nargs="?", help="the unpacked release")
-    p.add_argument("version", nargs="?", help="its version (apply, hashes)")
+    p.add_argument("command", choices=("apply", "hashes"))
+    p.add_argument("tree", type=Path, help="the unpacked release")
+    p.add_argument("version", help="its version")
     p.add_argument("--source", action="store_true", help="a source tree")
     p.add_argument("--pr", action="append", help="only this PR (repeatable)")
-    p.add_argument("--release", action="append", help="diff: only this release")
     args = p.parse_args(argv)
-    if args.command != "diff" and not args.version:
-        p.error(f"{args.command} needs TREE and VERSION")
 
     def body() -> None:
         if args.command == "hashes":
             found = release_hashes(args.tree, args.version, source=args.source)
             for (path, name), h in sorted(found.items()):
                 print(f'{path}: sha256."{args.version}".{name} = "{h}"')
-        elif args.command == "apply":
+        else:
             report = apply_branch(
                 args.tree, args.version, prs=args.pr, source=args.source
             )
             print("\n".join(report.lines))
-        else:
-            rows = []
-            for v in args.release or list(load_manifest().releases):
-                rows += diff_rows(args.tree or ROOT / f"build/fork/{v}/upstream", v)
-            print(render(rows))
 
     return command("fork_branch", body)
 

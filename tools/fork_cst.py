@@ -269,9 +269,11 @@ def add_definition(
         raise ToolError(f"{who}: {qualname}: upstream defines it: replace it")
     node = find(br, qualname, who)
     i = [s is node for s in b_body].index(True)
-    # by the definitions both have: imports and other unnamed statements differ
-    later = [u_names.index(n) for n in b_names[i + 1 :] if n and n in u_names]
-    earlier = [u_names.index(n) + 1 for n in b_names[:i] if n and n in u_names]
+    # by the definitions both have: imports, other unnamed statements and the
+    # docstring (the imports follow it) differ
+    named = [n if n != "__doc__" else None for n in b_names]
+    later = [u_names.index(n) for n in named[i + 1 :] if n and n in u_names]
+    earlier = [u_names.index(n) + 1 for n in named[:i] if n and n in u_names]
     u_body.insert((later or earlier[-1:] or [len(u_body)])[0], node)
     if not parent:
         return up.with_changes(body=u_body)
@@ -305,8 +307,9 @@ def edit(up: cst.Module, br: cst.Module, e: Edit, who: str) -> tuple:
         return up.deep_replace(target, decorated), reads(dec.decorator)
     if e.kind == "replace" and not _is_expression(e.anchor):  # a statement
         anchor = match(target, e.anchor, who, statement=True)
-        block = parse(textwrap.dedent(e.code), who)
-        return up.deep_replace(anchor, cst.FlattenSentinel(block.body)), set()
+        new = list(parse(textwrap.dedent(e.code), who).body)
+        new[0] = new[0].with_changes(leading_lines=anchor.leading_lines)
+        return up.deep_replace(anchor, cst.FlattenSentinel(new)), reads(*new)
     if e.kind == "replace":
         anchor = match(target, e.anchor, who)
         new = cst.parse_expression(e.code).with_changes(

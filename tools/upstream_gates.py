@@ -7,6 +7,7 @@
 HOOKS on the files the series adds or changes (a finding also printed at
 v<V>, any line, is upstream's), a Signed-off-by on every commit, and STEP's
 source_file_dependencies covering every changed file. Exit 1 if one fails.
+The hooks run in a worktree of their own: build/source/vllm-<V> is only read.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -27,34 +29,40 @@ from tool_cli import ToolError, command, parser
 __all__ = ["HOOKS", "STEP", "gates"]
 
 STEP = (".buildkite/test_areas/kernels.yaml", "kernels-moe-test")
-# hook: its command and the files it takes: PY (the Python files), ALL, or
-# TESTS (tests/ and .buildkite/ files, as check_test_tethering's pattern).
-PY, ALL, TESTS = "py", "all", "tests"
+# hook: its command and the files it takes: PY (the Python files), VLLM (those
+# under vllm/), ALL, TESTS (tests/ and .buildkite/ files, as
+# check_test_tethering's pattern) or NONE (it finds its own files).
+PY, VLLM, ALL, TESTS, NONE = "py", "vllm", "all", "tests", "none"
+_CHECKS = {"spdx_header": PY, "forbidden_imports": PY, "torch_cuda": PY}
+_CHECKS |= {"init_lazy_imports": PY, "boolean_context_manager": PY}
+_CHECKS |= {"trust_remote_code": VLLM, "test_tethering": TESTS}
+_CHECKS |= {"buildkite_step_keys": NONE}
 HOOKS = {
     "ruff check": (["ruff", "check", "--output-format", "concise"], PY),
     "ruff format": (["ruff", "format", "--check"], PY),
     "typos": (["typos", "--force-exclude", "--format", "brief"], ALL),
     "mypy": ([sys.executable, "tools/pre_commit/mypy.py", "3.11"], PY),
+    "validate_config": ([sys.executable, "tools/pre_commit/validate_config.py"], ALL),
     **{
-        f"check_{n}": ([sys.executable, f"tools/pre_commit/check_{n}.py"], PY)
-        for n in ["spdx_header", "forbidden_imports", "torch_cuda", "init_lazy_imports"]
+        f"check_{n}": ([sys.executable, f"tools/pre_commit/check_{n}.py"], kind)
+        for n, kind in _CHECKS.items()
     },
-    "check_test_tethering": (
-        [sys.executable, "tools/pre_commit/check_test_tethering.py"],
-        TESTS,
-    ),
 }
 
 
 def _findings(tree: Path, rev: str, changed: list[str]) -> dict[str, list[str]]:
     """{hook: what it printed if it failed} at ``rev``, on the files there."""
-    bsb.git(tree, "checkout", "-q", rev)
+    bsb.git(tree, "checkout", "-q", "--detach", rev)
     files = [f for f in changed if (tree / f).is_file()]
-    pick = {ALL: files, PY: [f for f in files if f.endswith(".py")]}
+    pick = {ALL: files, PY: [f for f in files if f.endswith(".py")], NONE: []}
+    pick[VLLM] = [f for f in pick[PY] if f.startswith("vllm/")]
     pick[TESTS] = [f for f in files if f.startswith(("tests/", ".buildkite/"))]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     out = {}
     for name, (cmd, kind) in HOOKS.items():
+        if kind != NONE and not pick[kind]:  # without files a hook takes all
+            out[name] = []
+            continue
         run = subprocess.run(
             [*cmd, *pick[kind]], cwd=tree, capture_output=True, text=True, env=env
         )
@@ -71,11 +79,14 @@ def gates(tree: Path, version: str) -> list[tuple[str, list[str], int]]:
     """[(gate, its findings new on the branch, how many were upstream's)]."""
     tag, branch = f"v{version}", bsb.BRANCH
     changed = bsb.git(tree, "diff", "--name-only", "--diff-filter=AM", tag, branch)
-    try:
-        before = _findings(tree, tag, changed.split())
-        after = _findings(tree, branch, changed.split())
-    finally:
-        bsb.git(tree, "checkout", "-q", branch)
+    with tempfile.TemporaryDirectory(dir=tree.parent) as scratch:
+        work = Path(scratch) / "tree"
+        bsb.git(tree, "worktree", "add", "-q", "--detach", str(work), tag)
+        try:
+            before = _findings(work, tag, changed.split())
+            after = _findings(work, branch, changed.split())
+        finally:
+            bsb.git(tree, "worktree", "remove", "--force", str(work))
     results = []
     for name, lines in after.items():
         old = {_key(s) for s in before[name]}
@@ -88,9 +99,9 @@ def gates(tree: Path, version: str) -> list[tuple[str, list[str], int]]:
         f"not signed off: {c}" for c, who, signed in commits if who not in signed
     ]
     try:
-        steps = yaml.safe_load((tree / STEP[0]).read_text())["steps"]
+        steps = yaml.safe_load(bsb.git(tree, "show", f"{branch}:{STEP[0]}"))["steps"]
     except yaml.YAMLError as exc:
-        raise ToolError(f"{tree / STEP[0]}: {exc}") from None
+        raise ToolError(f"{tree / STEP[0]} on {branch}: {exc}") from None
     (deps,) = [s["source_file_dependencies"] for s in steps if s.get("key") == STEP[1]]
     missed = [
         f"not covered: {f}"

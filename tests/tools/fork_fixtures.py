@@ -14,7 +14,7 @@ import libcst as cst
 from fork_cst import source_hash
 from fork_manifest import load_manifest
 
-__all__ = ["UPSTREAM", "BRANCH", "Toy", "dedent", "make_toy"]
+__all__ = ["BRANCH", "BUILDKITE", "FILES", "UPSTREAM", "Toy", "dedent", "sha256"]
 
 VERSION = "1.0.0"
 
@@ -159,7 +159,6 @@ wheel = "vllm-1.0.0-py3-none-any.whl"
 wheel_sha256 = "{wheel_sha256}"
 sdist = "vllm-1.0.0.tar.gz"
 sdist_sha256 = "{zero}"
-requirements = {{ toykernels = "toykernels==0.2" }}
 
 [[prs]]
 id = "first"
@@ -211,7 +210,6 @@ pr = "second"
 envs = ["VLLM_B"]
 
 [buildkite]
-pr = "second"
 file = ".buildkite/kernels.yaml"
 step = "kernels-moe-test"
 """
@@ -293,10 +291,6 @@ class Toy:
         self.wheel_sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
         self.write_manifest()
         return path
-
-
-def make_toy(root: Path, **kwargs) -> Toy:
-    return Toy(root, **kwargs)
 
 
 def sha256(path: Path) -> str:

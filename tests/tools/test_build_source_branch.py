@@ -330,7 +330,7 @@ def test_the_install_is_switched_only_to_another_tree(tmp_path, monkeypatch):
 def test_a_detached_head_is_ours_only_on_the_branchs_history(env):
     tree = _build(env)[0]
     first = _git(tree, "rev-parse", bsb.BRANCH)
-    _git(tree, "checkout", "-q", f"v{V}")  # as compare and gates leave it
+    _git(tree, "checkout", "-q", f"v{V}")  # as an interrupted compare leaves it
     _build(env)
     assert _git(tree, "rev-parse", bsb.BRANCH) == first
     _git(tree, "checkout", "-q", "--detach")

@@ -135,6 +135,37 @@ def test_buildkite_step_gets_the_uncovered_vllm_files_in_source_trees_only(toy):
     assert (fresh.tree / ".buildkite/kernels.yaml").read_text() == expected
 
 
+def test_each_pr_adds_its_own_uncovered_vllm_files_to_the_step(toy):
+    _apply(toy, prs=["first"], source=True)
+    added = "  - vllm/model_executor/\n  - vllm/newmod.py\n  - vllm/ops.py\n"
+    expected = BUILDKITE.replace("  - vllm/model_executor/\n", added)
+    assert (toy.tree / ".buildkite/kernels.yaml").read_text() == expected
+    # the second PR alone: its ops.py, not the first's newmod.py; envs.py is
+    # covered already
+    fresh = Toy(toy.root / "second")
+    report = apply_branch(
+        fresh.tree, "1.0.0", repo=fresh.repo, manifest=fresh.manifest,
+        prs=["second"], source=True,
+    )  # fmt: skip
+    expected = BUILDKITE.replace(
+        "  - vllm/model_executor/\n", "  - vllm/model_executor/\n  - vllm/ops.py\n"
+    )
+    assert (fresh.tree / ".buildkite/kernels.yaml").read_text() == expected
+    assert ".buildkite/kernels.yaml" in report.written
+
+
+def test_a_definition_an_earlier_pr_added_is_edited_without_a_hash(toy):
+    # _scale is the first PR's; upstream has none to hash
+    later = '[[files]]\npath = "vllm/ops.py"\npr = "second"\n'
+    later += '[[files.edits]]\nin = "_scale"\nreplace = "math.sqrt(x)"\n'
+    later += 'code = "math.sqrt(x) * 2"\n'
+    toy.write_manifest(FILES + later)
+    _apply(toy)
+    assert (toy.tree / "vllm/ops.py").read_text() == OPS.replace(
+        "return math.sqrt(x)", "return math.sqrt(x) * 2"
+    )
+
+
 def test_one_pr_at_a_time_gives_the_same_tree_as_all_at_once(toy):
     _apply(toy, prs=["first"])
     first = (toy.tree / "vllm/ops.py").read_text()
@@ -388,9 +419,14 @@ def test_an_entry_for_some_releases_only(toy):
             {"A_B": ("import", "vllm.b", "A_B"), "D": ("import", "vllm.b", "D")},
             "from vllm.b import A_B, D, c\n",
         ),
+        (  # then formatted as upstream's ruff format leaves it
+            "from vllm.b import c\nx = [c,c]\n",
+            {},
+            "from vllm.b import c\n\nx = [c, c]\n",
+        ),
     ],
 )
-def test_imports_are_placed_as_ruffs_isort_places_them(before, wanted, after):
+def test_imports_are_placed_as_upstreams_ruff_places_them(before, wanted, after):
     added = add_imports(cst.parse_module(before), wanted).code
     assert sort_imports(added, "vllm/x.py", "vllm", "x") == after
 
@@ -469,13 +505,42 @@ def test_a_class_docstring_is_its_first_statement_only():
             ["a", "b", "new", "c"],
         ),
         ("def new(): ...\n", ["a", "b", "c", "new"]),
+        # by names only: the branch's docstring and import are not upstream's
+        ('"""Doc."""\n\nimport torch\n\ndef new(): ...\n', ["a", "b", "c", "new"]),
     ],
 )
 def test_an_added_definition_goes_where_the_branch_has_it(branch, after):
-    up = cst.parse_module("def a(): ...\ndef b(): ...\ndef c(): ...\n")
+    up = '"""Upstream\'s."""\n\nimport os\nimport sys\n\n'
+    up = cst.parse_module(up + "def a(): ...\ndef b(): ...\ndef c(): ...\n")
     got = add_definition(up, cst.parse_module(branch), "new", "t")
-    names = [s.name.value for s in got.body]
-    assert names == after
+    names = [getattr(s, "name", None) for s in got.body[3:]]
+    assert [n.value for n in names if n] == after
+    assert got.code.startswith('"""Upstream\'s."""\n\nimport os\nimport sys\n\n')
+
+
+def test_a_decorator_goes_first_and_its_name_is_read():
+    up = cst.parse_module("@pytest.mark.parametrize('m', [1])\ndef test_a(m): ...\n")
+    got, reads = edit(up, up, Edit("decorate", "test_a", "requires_b12x"), "t")
+    assert got.code == (
+        "@requires_b12x\n@pytest.mark.parametrize('m', [1])\ndef test_a(m): ...\n"
+    )
+    assert reads == {"requires_b12x"}
+
+
+def test_a_statement_is_replaced_keeping_upstreams_comment_above_it():
+    up = cst.parse_module(
+        "def f(backend):\n    # upstream's reason\n"
+        "    from vllm.x import (  # noqa: E501\n        A,\n    )\n\n"
+        "    return [A]\n"
+    )
+    code = "from vllm.x import (  # noqa: E501\n    A,\n    B,\n)\nn = len(B)\n"
+    got, reads = edit(up, up, Edit("replace", "f", "from vllm.x import A", code), "t")
+    assert got.code == (
+        "def f(backend):\n    # upstream's reason\n"
+        "    from vllm.x import (  # noqa: E501\n        A,\n        B,\n    )\n"
+        "    n = len(B)\n\n    return [A]\n"
+    )
+    assert reads == {"len", "B", "n"}  # the import binds; the rest is read
 
 
 def test_inserted_code_keeps_the_comment_lines_above_it():

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """tools/fork_manifest.toml against this tree, without a release: the PRs are
 cut so each imports only itself and earlier PRs, the edits' new code is the
-slice's own, and what ships speaks of vLLM only."""
+branch's files' own, and what ships speaks of vLLM only."""
 
 import ast
 import dataclasses
@@ -11,7 +11,7 @@ import re
 import pytest
 
 import fork_manifest
-from fork_cst import bindings, find, match, parse, reads
+from fork_cst import _is_expression, bindings, code, find, match, parse, reads
 from fork_manifest import Release, load_manifest
 from tool_cli import ROOT, ToolError
 
@@ -57,12 +57,13 @@ def _imports(entry) -> set[tuple[str, str]]:
 
 
 def _order_problems(files) -> tuple[list[str], int]:
+    # a name the release has (replaced later or not) is there for every PR
     new_in = {_module_of(e.path): e.pr for e in files if e.new}
     placed_in = {
         (_module_of(e.path), q): e.pr
         for e in files
         if not e.new
-        for q in (*e.replace, *e.add)
+        for q in e.add
         if "." not in q
     }
     problems, checked = [], 0
@@ -79,7 +80,7 @@ def _order_problems(files) -> tuple[list[str], int]:
 
 def test_each_pr_imports_only_itself_and_earlier_prs():
     problems, checked = _order_problems(MANIFEST.files)
-    assert checked > 40, "the check found almost no imports: it is not looking"
+    assert checked > 20, "the check found almost no imports: it is not looking"
     assert problems == []
 
 
@@ -98,27 +99,33 @@ def test_each_pr_reads_only_variables_of_itself_and_earlier_prs():
 
 
 def test_a_file_moved_to_an_earlier_pr_is_caught():
-    w4a4 = "vllm/model_executor/layers/fused_moe/experts/flashinfer_b12x_w4a4.py"
+    # the swizzle's test imports swizzle_blockscale_, which its own PR adds
+    test = "tests/kernels/moe/test_flashinfer_fp4_moe_swizzle.py"
     files = [
-        dataclasses.replace(e, pr=PRS[0]) if e.path == w4a4 else e
+        dataclasses.replace(e, pr=PRS[0]) if e.path == test else e
         for e in MANIFEST.files
     ]
     problems, _ = _order_problems(files)
-    assert any(p.startswith(f"{w4a4} ({PRS[0]}) imports ") for p in problems), problems
+    assert any(p.startswith(f"{test} ({PRS[0]}) imports ") for p in problems), problems
 
 
-def test_the_edits_new_code_is_the_slices_own():
-    for entry in (e for e in MANIFEST.files if e.edits):
+def test_the_edits_new_code_is_the_branch_files_own():
+    checked = 0
+    for entry in (e for e in MANIFEST.files if e.edits and not e.releases):
         module = parse((ROOT / entry.src).read_text(encoding="utf-8"), entry.src)
         for edit in entry.edits:
             if edit.inside.split(".")[0] not in bindings(module):
-                continue  # a stand-in src: the code is the manifest's alone
-            inside = find(module, edit.inside, entry.src)
-            if edit.kind == "replace":
-                match(inside, edit.code, f"the slice's {entry.src}")
+                continue  # the branch's file lacks it: the manifest's code alone
+            inside, who = find(module, edit.inside, entry.src), entry.src
+            checked += 1
+            if edit.kind == "decorate":
+                assert edit.anchor in [code(d.decorator) for d in inside.decorators]
+            elif edit.kind == "replace" and _is_expression(edit.anchor):
+                match(inside, edit.code, f"the branch's {who}")
             elif edit.code:
                 for stmt in parse(edit.code, "code").body:
-                    match(inside, module.code_for_node(stmt), entry.src, statement=True)
+                    match(inside, code(stmt), who, statement=True)
+    assert checked, "no edit's code was looked for"
 
 
 FORBIDDEN = re.compile(
@@ -145,12 +152,12 @@ def test_every_file_and_page_the_manifest_names_exists():
     for pr in MANIFEST.prs:
         assert (ROOT / pr.doc).is_file(), pr.doc
     assert set(MANIFEST.releases) == {"0.34.0", "0.33.0"}
-    for entry in MANIFEST.files:
-        for version in entry.releases or MANIFEST.releases:
-            assert set(entry.changed) <= set(entry.sha256.get(version, {})), (
-                entry.path,
-                version,
-            )
+    for version in MANIFEST.releases:  # a file's hashes, in any of its entries
+        entries = MANIFEST.entries(source=True, version=version)
+        hashed = {(e.path, n) for e in entries for n in e.sha256.get(version, {})}
+        ours = {(e.path, q) for e in entries for q in e.add if "." not in q}
+        changed = {(e.path, n) for e in entries for n in e.changed}
+        assert changed - ours <= hashed, version
 
 
 def test_a_wheel_is_downloaded_for_its_own_tag(tmp_path, monkeypatch):

@@ -85,9 +85,11 @@ def _ci_follow_pypi() -> tuple[set[str], str]:
     "where, tools",
     [
         ("fork-command", ["build_fork_wheel"]),
-        ("source-command", ["build_source_branch", "compare_upstream_tests"]),
+        (
+            "source-command",
+            ["build_source_branch", "compare_upstream_tests", "check_pr_series"],
+        ),
         ("gates-command", ["upstream_gates"]),
-        ("upstream-command", ["build_fork_wheel", "build_source_branch"]),
         ("ci follow-pypi", ["follow_pypi"]),
     ],
 )

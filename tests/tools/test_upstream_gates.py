@@ -3,7 +3,7 @@
 """tools/upstream_gates.py on a tiny git tree with stand-in hooks: a finding
 upstream's own lines already had at the tag does not fail a gate, a new one
 does; an unsigned commit and a changed file outside the Buildkite step's
-source_file_dependencies fail theirs."""
+source_file_dependencies fail theirs; the tree itself is only read."""
 
 import shutil
 import sys
@@ -64,7 +64,17 @@ def test_upstreams_own_findings_pass_new_ones_fail(tree):
     }
     _commit(tree, "new\n\nSigned-off-by: A <a@x>", {"vllm/b.py": "z = 3  # SHOUT\n"})
     assert _results(tree)["lint"] == ["vllm/b.py:1: shout"]
-    assert git(tree, "rev-parse", "--abbrev-ref", "HEAD") == BRANCH
+
+
+def test_the_tree_is_only_read(tree):
+    # another user of the tree has the tag checked out, a file of theirs in it
+    _commit(tree, "new\n\nSigned-off-by: A <a@x>", {"vllm/b.py": "z = 3  # SHOUT\n"})
+    git(tree, "checkout", "-q", "--detach", "v9.9.0")
+    (tree / "theirs.txt").write_text("x\n")
+    assert _results(tree)["lint"] == ["vllm/b.py:1: shout"]
+    assert git(tree, "rev-parse", "HEAD") == git(tree, "rev-parse", "v9.9.0")
+    assert git(tree, "status", "--porcelain") == "?? theirs.txt"
+    assert git(tree, "worktree", "list").count("\n") == 0  # none left behind
 
 
 def test_unsigned_commits_and_uncovered_files_fail(tree):
@@ -85,3 +95,16 @@ def test_a_finding_moved_to_another_line_and_column_is_upstreams(tree, monkeypat
     _commit(tree, "edit\n\nSigned-off-by: A <a@x>", moved)
     (lint_result, *_) = upstream_gates.gates(tree, "9.9.0")
     assert lint_result == ("lint", ["vllm/b.py:1:2: shout"], 1)
+
+
+def test_a_vllm_only_hook_gets_the_vllm_files_and_runs_without_none(tree, monkeypatch):
+    # It prints the files it was given (none: it would check the whole tree).
+    said = (
+        "import sys\nprint(*(sys.argv[1:] or ['every file']), sep='\\n')\nsys.exit(1)"
+    )
+    hooks = {"vllm-only": ([sys.executable, "-c", said], upstream_gates.VLLM)}
+    monkeypatch.setattr(upstream_gates, "HOOKS", hooks)
+    _commit(tree, "tests\n\nSigned-off-by: A <a@x>", {"tests/test_b.py": "b = 1\n"})
+    assert upstream_gates.gates(tree, "9.9.0")[0] == ("vllm-only", [], 0)
+    _commit(tree, "vllm\n\nSigned-off-by: A <a@x>", {"vllm/b.py": "b = 1\n"})
+    assert upstream_gates.gates(tree, "9.9.0")[0] == ("vllm-only", ["vllm/b.py"], 0)
