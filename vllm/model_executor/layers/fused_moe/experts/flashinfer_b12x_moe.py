@@ -156,12 +156,8 @@ class FlashInferB12xW4A16Experts(FlashInferB12xExperts):
     FlashInfer's W4A16 layout (the same bytes)."""
 
     def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
-        mk.FusedMoEExpertsModular.__init__(self, moe_config, quant_config)
+        super().__init__(moe_config, quant_config)
         assert quant_config.use_nvfp4_w4a16
-        self.num_local_experts = moe_config.num_local_experts
-        self.global_num_experts = moe_config.num_experts
-        self.topk = moe_config.experts_per_token
-        self._activation_str = self._ACTIVATION_MAP[moe_config.activation]
         self._weights: Any | None = None
 
     @staticmethod
