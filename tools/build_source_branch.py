@@ -5,8 +5,9 @@
     python tools/build_source_branch.py [--release V] [--local DIR] [--fresh]
 
 Per release: build/source/vllm-<V>/ (tag v<V>, branch nvfp4moe: one commit per
-PR), dist/vllm-<V>-nvfp4moe-patches/ (checked by git am), then unless
---no-install the first tree installed editable. A tree holding anything the
+PR), build/release/vllm-<V>/ (a worktree of the tag: the release),
+dist/vllm-<V>-nvfp4moe-patches/ (checked by git am), then unless --no-install
+the first tree installed editable. A tree holding anything the
 command did not make is refused (--fresh deletes it first).
 """
 
@@ -215,7 +216,20 @@ def build_release(
     if apply is None:
         from fork_branch import apply_branch as apply  # libcst: only here
     _series(tree, version, manifest, repo, author, apply)
+    _release_worktree(tree, version, build.parent / "release" / tree.name)
     return tree, wheel, _patches(tree, version, dist, author)
+
+
+def _release_worktree(tree: Path, version: str, at: Path) -> None:
+    """``at``: the untouched release (a worktree of the tag), for the
+    benchmarks and tests that compare against it."""
+    listed = git(tree, "worktree", "list", "--porcelain")
+    if f"worktree {at}" in listed.splitlines():
+        git(at, "checkout", "-q", "--detach", "-f", f"v{version}")
+        return
+    git(tree, "worktree", "prune")
+    shutil.rmtree(at, ignore_errors=True)  # not a worktree of this tree: ours
+    git(tree, "worktree", "add", "-q", "--detach", str(at), f"v{version}")
 
 
 def check_disk(build: Path, versions: Sequence[str], venv: bool) -> None:
