@@ -1,289 +1,268 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Host time of one b12x experts ``apply``: the installed fork's against the
-unmodified release's, side by side in one run.
+"""Host time of one FlashInfer b12x experts ``apply``: branch against release.
 
-    (cd tests/upstream && python ../../benchmarks/kernels/benchmark_b12x_apply.py)
+    .venv-source/bin/python benchmarks/kernels/benchmark_b12x_apply.py \\
+        --release build/release/vllm-0.34.0 --rounds 3 --json b12x_apply.json
 
-Run in the upstream environment (README.md, "Tests inside vLLM 0.34.0 and
-0.33.0 (CPU)"): the fork wheel installed, the unmodified release unpacked
-(``build/fork/<release>/upstream``, imported in a subprocess ahead of
-site-packages). Each side builds the layer with its own code (upstream's
-ModelOpt method, ``moe_backend="flashinfer_b12x"``; the same synthetic
-checkpoint), then times its experts' ``apply`` (upstream's 15 arguments)
-down to FlashInfer 0.7.4's host code, the kernel launch stubbed (as
-tests/upstream/test_fork_flashinfer_b12x_host.py stubs it): W4A4 and W4A16
-checkpoints (the unmodified release runs a W4A16 one as W4A4), M = 1 and
-64 tokens, a small layer and the Qwen3.6-35B-A3B layer. Per case: median
-of ``--calls`` calls after ``--warmup``, each timed alone
-(``time.perf_counter_ns``), in microseconds; the difference fork minus
-upstream. Each side runs in a fresh interpreter, the two alternating
-``--rounds`` times (default 2); per case the lower of a side's medians is
-printed. ``--json`` writes every figure. One thread
-(``torch.set_num_threads``), as a serving worker's host thread.
+The branch is the installed vLLM (``build/source/vllm-0.34.0`` at
+``nvfp4moe``); the release is a worktree of tag v0.34.0, imported ahead of it
+(``PYTHONPATH``). Each side prepares a synthetic ModelOpt NVFP4 layer through
+its own oracle functions (as ``_prepare_b12x`` in
+tests/kernels/moe/test_flashinfer_b12x_moe.py) and times its experts' ``apply``
+with FlashInfer 0.7.4's host code running on the CPU. The branch runs a W4A16
+checkpoint on ``FlashInferB12xW4A16Experts``; the release runs it as W4A4.
+
+Stubbed, because the kernels compile and run only on SM120/121: the CuTe DSL
+kernel getters of ``blackwell_sm12x.moe_dispatch`` (``_get_static_kernel``,
+``_get_micro_kernel``, ``_get_dynamic_kernel``, ``_get_direct_micro_kernel``:
+JIT compilation; the kernel they return records its call, the W4A4 launch),
+``MoEDirectMicroKernel.launch`` (the direct micro launch) and
+``moe_dispatch.run_w4a16_moe`` (W4A16: it compiles and launches its kernels
+and its host path needs CUDA tensors and stream, so the W4A16 figure stops
+one call higher than the W4A4 one). Standing in for the device:
+``torch.cuda.get_device_properties`` (188 SMs, SM120),
+``is_current_stream_capturing``, FlashInfer's CUDA version, and
+``B12xMoEWrapper`` allocating its workspaces on the CPU.
+
+Before timing, each case's first call must reach exactly one launch carrying
+the experts' own scales (branch W4A4: per-expert input scales and FC2 alpha;
+W4A16: the prepared weights object) and both sides' outputs must have the same
+shape. Each side runs in a fresh interpreter, the two alternating ``--rounds``
+times; per case the median and 10th percentile of all rounds' ``--calls``
+calls (after ``--warmup`` each), on one torch thread (the preparation too: a
+loaded 2-core machine makes small parallel copies erratic), in microseconds.
 """
-
-from __future__ import annotations
 
 import argparse
-import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-import types
-from collections.abc import Iterator
+import warnings
 from pathlib import Path
-from typing import Any
-from unittest import mock
+from types import SimpleNamespace
 
-_REPO = Path(__file__).resolve().parents[2]
-# The tests' CPU harness (stand-ins, upstream's layers): never the
-# repository root, whose vllm/ would shadow the installed one.
-sys.path.insert(0, str(_REPO / "tests" / "upstream"))
+import torch
 
-__all__ = ["CASES", "measure", "main"]
-
-#: (shape name, checkpoint config) pairs; upstream_layers names them.
-CASES = (
-    ("small", "modelopt"),
-    ("small", "modelopt-w4a16"),
-    ("qwen3.6-35b-a3b", "modelopt"),
-    ("qwen3.6-35b-a3b", "modelopt-w4a16"),
-)
+# name: (experts, hidden, intermediate, top-k)
+SHAPES = {"small": (8, 512, 256, 2), "qwen3.6-35b-a3b": (256, 2048, 512, 8)}
+CHECKPOINTS = ("w4a4", "w4a16")
 TOKENS = (1, 64)
+_NAMES = ("w13", "w13_scale", "w13_scale_2", "a13_scale")
+_NAMES += ("w2", "w2_scale", "w2_scale_2", "a2_scale")
+# What each side's experts hand the launch, where they have it (the release:
+# its FC2 input scale; the branch: input scales and FC2 alpha, or W4A16's
+# prepared weights).
+_OWN = ("_fc1_input_scale", "_fc2_input_scale", "_w2_alpha", "_weights")
 
 
-@contextlib.contextmanager
-def flashinfer_launch_stubbed() -> Iterator[None]:
-    """FlashInfer 0.7.4's SM12x MoE dispatch runnable on CPU up to the kernel
-    launch: CUDA version and device properties answered, the kernel
-    getters and launches (W4A4's, W4A16's ``run_w4a16_moe``) no-ops, the
-    platform's SM count answered as on CUDA, and
-    ``B12xMoEWrapper`` made on the CPU (upstream's experts name no device)."""
+def _stand_ins(release: bool) -> list:
+    """Device stand-ins and the launch stubs; returns the launch records."""
+    import flashinfer.fused_moe as fused_moe
     import flashinfer.jit.cpp_ext as cpp_ext
-    import torch
     from flashinfer.fused_moe.cute_dsl.blackwell_sm12x import moe_dispatch as md
 
-    from vllm.platforms import current_platform
+    props = SimpleNamespace(multi_processor_count=188, major=12, minor=0)
+    torch.cuda.get_device_properties = lambda *a, **k: props
+    torch.cuda.is_current_stream_capturing = lambda: False
+    cpp_ext.get_cuda_version = lambda: SimpleNamespace(major=13, minor=0)
+    if release:  # the release's swizzle_blockscale ends in .cuda()
+        torch.Tensor.cuda = lambda self, *a, **k: self
 
-    props = types.SimpleNamespace(
-        multi_processor_count=48, major=12, minor=0, name="sm120", total_memory=16 << 30
+    class _OnCpu(fused_moe.B12xMoEWrapper):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "device": "cpu"})
+
+    fused_moe.B12xMoEWrapper = _OnCpu
+    launches: list = []
+
+    def kernel(*args, **kwargs):
+        launches.append([*args, *kwargs.values()])
+
+    md._get_static_kernel = md._get_micro_kernel = lambda *a, **k: (kernel, 1)
+    md._get_dynamic_kernel = lambda *a, **k: (kernel, 1)
+    md._get_direct_micro_kernel = lambda *a, **k: (kernel, 1, True)
+    md.MoEDirectMicroKernel.launch = staticmethod(lambda _, **k: kernel(**k))
+    md.run_w4a16_moe = lambda *a, **k: kernel(*a, **k) or k["output"]
+    return launches
+
+
+def _prepare(shape: tuple, checkpoint: str):
+    """A synthetic ModelOpt NVFP4 layer through this side's FLASHINFER_B12X
+    preparation, as the quant method runs it; returns (experts, layer,
+    seconds the preparation took)."""
+    from tests.kernels.moe.utils import make_dummy_moe_config
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.oracle import nvfp4
+    from vllm.model_executor.layers.quantization.utils import quant_utils as qu
+
+    e, h, i, topk = shape
+    use_a16 = checkpoint == "w4a16"
+    backend = nvfp4.NvFp4MoeBackend.FLASHINFER_B12X
+    moe = make_dummy_moe_config(
+        num_experts=e, experts_per_token=topk, hidden_dim=h, intermediate_size=i
     )
-
-    def launch(*args, **kwargs):
-        return None
-
-    with contextlib.ExitStack() as stack:
-        patch = stack.enter_context
-        patch(
-            mock.patch.object(
-                cpp_ext,
-                "get_cuda_version",
-                lambda: types.SimpleNamespace(major=13, minor=0),
-            )
-        )
-        patch(
-            mock.patch.object(
-                torch.cuda, "get_device_properties", lambda *a, **k: props
-            )
-        )
-        patch(
-            mock.patch.object(torch.cuda, "is_current_stream_capturing", lambda: False)
-        )
-        # The SM count as vLLM's CUDA platform answers it (the CPU platform
-        # has none): the W4A16 call sizes FlashInfer's workspace by it.
-        patch(
-            mock.patch.object(
-                current_platform,
-                "num_compute_units",
-                lambda device_id=0: props.multi_processor_count,
-            )
-        )
-        for getter in (
-            "_get_static_kernel",
-            "_get_micro_kernel",
-            "_get_dynamic_kernel",
-        ):
-            patch(mock.patch.object(md, getter, lambda *a, **k: (launch, 1)))
-        patch(
-            mock.patch.object(
-                md, "_get_direct_micro_kernel", lambda *a, **k: (launch, 1, True)
-            )
-        )
-        patch(
-            mock.patch.object(md.MoEDirectMicroKernel, "launch", staticmethod(launch))
-        )
-        if hasattr(md, "run_w4a16_moe"):
-            patch(
-                mock.patch.object(
-                    md, "run_w4a16_moe", lambda a, *r, **k: k.get("output")
-                )
-            )
-        # Upstream's experts build the wrapper without a device ("cuda"):
-        # the same wrapper, its buffers on the CPU.
-        import flashinfer.fused_moe as fused_moe
-
-        class _OnCpu(fused_moe.B12xMoEWrapper):
-            def __init__(self, *args, device: str = "cpu", **kwargs):
-                super().__init__(*args, device="cpu", **kwargs)
-
-        patch(mock.patch.object(fused_moe, "B12xMoEWrapper", _OnCpu))
-        md.clear_sm120_moe_caches()
-        try:
-            yield
-        finally:
-            md.clear_sm120_moe_caches()
-
-
-def _apply_call(layer, x, weights, ids):
-    method = layer.quant_method
-    experts = method.moe_kernel.fused_experts
-    out = x.new_empty(x.shape)
-    args = (
-        out,
-        x,
-        layer.w13_weight,
-        layer.w2_weight,
-        weights,
-        ids,
-        method.moe.activation,
-        method.moe.num_experts,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        False,
+    layer = SimpleNamespace(activation=MoEActivation.SILU, moe_config=moe)
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *size: torch.rand(size, generator=g)  # noqa: E731
+    codes = [
+        torch.randint(0, 256, s, dtype=torch.uint8, generator=g)
+        for s in ((e, 2 * i, h // 2), (e, h, i // 2))
+    ]
+    scales = [
+        (rand(*s) * 400 + 1).to(torch.float8_e4m3fn)
+        for s in ((e, 2 * i, h // 16), (e, h, i // 16))
+    ]
+    ckpt = (codes[0], scales[0], rand(e) / 1e3, rand(e, 2) / 1e2)
+    ckpt += (codes[1], scales[1], rand(e) / 1e3, rand(e) / 1e2)
+    start = time.perf_counter()
+    t = nvfp4.convert_to_nvfp4_moe_kernel_format(
+        backend, layer, *ckpt, is_act_and_mul=True, use_a16=use_a16
     )
+    t = dict(zip(_NAMES, t, strict=True))
+    scale_args = {k: v for k, v in t.items() if k not in ("w13", "w2")}
+    quant_config = nvfp4.make_nvfp4_moe_quant_config(
+        backend, **scale_args, layer=layer, use_a16=use_a16
+    )
+    activation_key = None if use_a16 else qu.kNvfp4Dynamic
+    experts_cls = next(
+        cls
+        for cls in nvfp4.backend_to_kernel_cls(backend)
+        if cls._supports_quant_scheme(qu.kNvfp4Static, activation_key)
+    )
+    kernel = nvfp4.make_nvfp4_moe_kernel(quant_config, moe, experts_cls, backend)
+    for w in ("w13", "w2"):  # the parameters as replace_parameter leaves them
+        setattr(layer, f"{w}_weight", t[w])
+        setattr(layer, f"{w}_weight_scale", t[f"{w}_scale"])
+        setattr(layer, f"{w}_weight_scale_2", t[f"{w}_scale_2"])
+    kernel.fused_experts.process_weights_after_loading(layer)
+    return kernel.fused_experts, layer, time.perf_counter() - start
 
-    def call() -> None:
-        experts.apply(*args)
 
-    return call
+def _reached(launch: list, want) -> bool:
+    """Whether ``want`` (an object, or a tensor's values) is an argument of
+    the recorded ``launch``."""
+    if isinstance(want, torch.Tensor):
+        return any(isinstance(a, torch.Tensor) and torch.equal(a, want) for a in launch)
+    return any(a is want for a in launch)
 
 
-def measure(
-    cases: list[tuple[str, str]], tokens: list[int], calls: int, warmup: int
-) -> list[dict[str, Any]]:
-    """Time ``apply`` of the running vllm's experts for each case (see the
-    module doc); JSON-able rows."""
-    import torch
-    from upstream_reports import moe_inputs
+def _worker(side: str, shapes: list[str], calls: int, warmup: int, out: Path):
+    import vllm
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    from cpu_stand_ins import b12x_preparation_on_cpu
-    from upstream_layers import MOE_SHAPES, one_rank_vllm, prepare_layer
-
+    sys.path.insert(0, str(Path(vllm.__file__).parents[1]))  # its tests/
+    warnings.filterwarnings("ignore")
+    launches = _stand_ins(side == "release")
     torch.set_num_threads(1)
     rows = []
-    with b12x_preparation_on_cpu(), flashinfer_launch_stubbed():
-        for n, (shape_name, config) in enumerate(cases):
-            shape = MOE_SHAPES[shape_name]
-            with one_rank_vllm("flashinfer_b12x"), torch.inference_mode(False):
-                layer, _, _ = prepare_layer(
-                    shape, config, prefix=f"model.layers.{n}.mlp.experts"
-                )
-                experts = layer.quant_method.moe_kernel.fused_experts
-                for m in tokens:
-                    call = _apply_call(layer, *moe_inputs(shape, m, seed=m))
-                    for _ in range(warmup):
-                        call()
-                    times = []
-                    for _ in range(calls):
-                        start = time.perf_counter_ns()
-                        call()
-                        times.append(time.perf_counter_ns() - start)
-                    rows.append(
-                        {
-                            "shape": shape.id,
-                            "config": config,
-                            "tokens": m,
-                            "experts": type(experts).__name__,
-                            "weight_only": bool(getattr(experts, "weight_only", False)),
-                            "median_us": statistics.median(times) / 1e3,
-                            "p10_us": sorted(times)[calls // 10] / 1e3,
-                            "calls": calls,
-                        }
-                    )
-                del layer, experts
-    return rows
+    for shape_name in shapes:
+        e, h, _, topk = SHAPES[shape_name]
+        for checkpoint in CHECKPOINTS:
+            experts, layer, seconds = _prepare(SHAPES[shape_name], checkpoint)
+            key = dict(shape=shape_name, checkpoint=checkpoint, prepare_s=seconds)
+            key.update(experts=type(experts).__name__)
+            for m in TOKENS:
+                g = torch.Generator().manual_seed(m)
+                x = torch.randn(m, h, generator=g).bfloat16()
+                ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in x])
+                routing = torch.rand(m, topk, generator=g).softmax(-1)
+                args = (x.new_empty(x.shape), x, layer.w13_weight, layer.w2_weight)
+                args += (routing, ids, MoEActivation.SILU, e, *[None] * 6, False)
+                # Before timing: one launch, given this side's own scales.
+                launches.clear()
+                experts.apply(*args)
+                own = [n for n in _OWN if hasattr(experts, n)]
+                if len(launches) != 1 or not all(
+                    _reached(launches[0], getattr(experts, n)) for n in own
+                ):
+                    raise RuntimeError(f"{side} {shape_name} {checkpoint} M={m}")
+                for _ in range(warmup):
+                    experts.apply(*args)
+                times = []
+                for _ in range(calls):
+                    t0 = time.perf_counter_ns()
+                    experts.apply(*args)
+                    times.append((time.perf_counter_ns() - t0) / 1e3)
+                row = dict(key, tokens=m, reached_launch=own, us=times)
+                rows.append(dict(row, output=list(args[0].shape)))
+            del experts, layer
+    out.write_text(json.dumps({"vllm": vllm.__file__, "rows": rows}))
 
 
-_SNIPPET = """\
-import sys
-sys.path.insert(0, {bench!r})
-import benchmark_b12x_apply as b
-result = b.measure({cases!r}, {tokens!r}, {calls!r}, {warmup!r})
-"""
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main() -> None:
+    repo = Path(__file__).resolve().parents[2]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--release", type=Path, default=repo / "build/release/vllm-0.34.0"
+    )
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-    parser.add_argument("--shapes", nargs="+", default=["small", "qwen3.6-35b-a3b"])
-    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args(argv)
-    if args.calls < 300 or args.warmup < 1 or args.rounds < 1:
-        parser.error("--calls must be at least 300, --warmup and --rounds at least 1")
-    from upstream_env import (
-        UPSTREAM_VERSION,
-        installed_vllm_problem,
-        run_installed_json,
-        run_unmodified_json,
-        unmodified_tree_problem,
+    parser.add_argument(
+        "--worker", choices=("branch", "release"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return _worker(args.worker, args.shapes, args.calls, args.warmup, args.out)
 
-    if problem := installed_vllm_problem() or unmodified_tree_problem():
-        parser.exit(2, f"benchmark_b12x_apply: error: {problem}\n")
-    cases = [c for c in CASES if c[0] in args.shapes]
-    snippet = _SNIPPET.format(
-        bench=str(Path(__file__).resolve().parent),
-        cases=cases,
-        tokens=args.tokens,
-        calls=args.calls,
-        warmup=args.warmup,
-    )
-    # Both sides in a fresh interpreter each, alternating, ``--rounds``
-    # times: per case the lower of each side's medians (the round least
-    # disturbed by other work on the machine).
-    runs: dict[str, list] = {"fork": [], "upstream": []}
-    for _ in range(args.rounds):
-        runs["fork"].append(run_installed_json(snippet))
-        runs["upstream"].append(run_unmodified_json(snippet))
-    fork, upstream = (
-        [
-            min(rows, key=lambda r: r["median_us"])
-            for rows in zip(*runs[side], strict=True)
-        ]
-        for side in ("fork", "upstream")
-    )
+    release = str(args.release.resolve())
+    runs: dict[str, list] = {"branch": [], "release": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for side in runs:
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+                env.update({"PYTHONPATH": release} if side == "release" else {})
+                out = Path(tmp, f"{side}{r}.json")
+                cmd = [sys.executable, __file__, "--worker", side, "--out", str(out)]
+                cmd += ["--calls", str(args.calls), "--warmup", str(args.warmup)]
+                subprocess.run(
+                    [*cmd, "--shapes", *args.shapes],
+                    env=env,
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                )
+                runs[side].append(json.loads(out.read_text()))
+    trees = {side: runs[side][0]["vllm"] for side in runs}
+    if trees["branch"].startswith(release) or not trees["release"].startswith(release):
+        sys.exit(f"wrong vllm imported: {trees}")
+    print(f"b12x experts apply, host us per call ({args.rounds} x {args.calls} calls)")
+    print(f"branch:  {trees['branch']}\nrelease: {trees['release']}")
     print(
-        f"b12x experts apply, host time per call (median of {args.calls}; "
-        f"FlashInfer launch stubbed; vLLM {UPSTREAM_VERSION})"
+        f"{'layer':>15} {'ckpt':>5} {'M':>2} {'branch experts':>26} {'branch':>8} "
+        f"{'release':>8} {'diff':>7}  p10 branch/release"
     )
-    print(
-        f"{'layer':>12} {'checkpoint':>15} {'M':>3} {'fork us':>9} "
-        f"{'upstream us':>12} {'diff us':>8} {'p10 fork/upstream':>18}  fork mode"
-    )
-    for f, u in zip(fork, upstream, strict=True):
-        mode = "W4A16" if f["weight_only"] else "W4A4"
-        diff = f["median_us"] - u["median_us"]
-        p10 = f"{f['p10_us']:.1f} / {u['p10_us']:.1f}"
+    record = []
+    for n, row in enumerate(runs["branch"][0]["rows"]):
+        fig = {}
+        for side in runs:
+            rows = [run["rows"][n] for run in runs[side]]
+            if rows[0]["output"] != row["output"] or rows[0]["tokens"] != row["tokens"]:
+                sys.exit(f"outputs differ: {row} vs {rows[0]}")
+            per_round = [statistics.median(r["us"]) for r in rows]
+            us = sorted(t for r in rows for t in r.pop("us"))
+            fig[side] = dict(rows[0], median_us=statistics.median(us))
+            fig[side].update(p10_us=us[len(us) // 10], round_medians_us=per_round)
+        b, r = fig["branch"], fig["release"]
         print(
-            f"{f['shape']:>12} {f['config']:>15} {f['tokens']:>3} "
-            f"{f['median_us']:9.1f} {u['median_us']:12.1f} {diff:+8.1f} {p10:>18}"
-            f"  {mode}"
+            f"{row['shape']:>15} {row['checkpoint']:>5} {row['tokens']:>2} "
+            f"{b['experts']:>26} {b['median_us']:8.1f} {r['median_us']:8.1f} "
+            f"{b['median_us'] - r['median_us']:+7.1f}  "
+            f"{b['p10_us']:.1f}/{r['p10_us']:.1f}"
         )
+        record.append(fig)
+    print("The release runs W4A16 checkpoints as W4A4 (FlashInferB12xExperts); the")
+    print("branch's W4A16 figures stop at run_w4a16_moe, the W4A4 ones deeper.")
     if args.json:
-        record = {"release": UPSTREAM_VERSION, "fork": fork, "upstream": upstream}
-        record["rounds"] = runs
-        args.json.write_text(json.dumps(record, indent=1))
-    return 0
+        args.json.write_text(json.dumps({"trees": trees, "rows": record}, indent=1))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
