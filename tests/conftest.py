@@ -1,48 +1,46 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The test session runs torch on one intra-op thread, and so do the
-processes it starts.
+"""The project's tests run vLLM's own code: the source tree the README's test
+command builds (build/source/vllm-0.34.0, the series on branch nvfp4moe,
+installed editable), or an unmodified release tree where a test compares.
 
-The tests are many small tensor operations, and every parallel operation
-waits for its slowest thread: when another process holds a core, that wait
-(a scheduler time slice) dwarfs the work, as the bounded preparation found
-(the commands that prepare weights run it on one thread:
-``vllm.entrypoints.process_policy``). With two CPU-bound processes beside
-them on a 2-core machine, the interrupted-preparation and interrupted-reload cases of
-``tests/kernels/moe/test_nvfp4_moe_prep_state.py`` took 248 s on torch's two
-threads and 48 s on one (2026-12-01). No result depends on the thread
-count; tests about thread settings set their own.
+tests/kernels/ holds the branch's definitions for upstream's own test files;
+they run from the built trees (tests/test_stack.py), not from here.
 
-``VLLM_TEST_TORCH_THREADS=N`` runs them on N threads instead (0: torch's
-default).
+The session runs torch on one intra-op thread, as do the processes it starts:
+on a shared 2-core machine every parallel op otherwise waits for its slowest
+thread. ``VLLM_TEST_TORCH_THREADS=N`` sets another count (0: torch's default).
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "build" / "source"
 _THREADS = int(os.environ.get("VLLM_TEST_TORCH_THREADS", "1"))
-
-if _THREADS:
-    # Before torch is imported (here or in a process started later): the
-    # OpenMP pool of spawned ranks and command-line runs is sized from it.
+if _THREADS:  # before torch is imported, here or in a process started later
     os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
+collect_ignore = ["kernels"]
 
 
 def pytest_configure(config):
-    if _THREADS:
-        import torch
-
-        torch.set_num_threads(_THREADS)
-
-
-@pytest.fixture
-def two_threads():
-    """Torch on two intra-op threads for one test, then the session's count
-    again: for tests that check a setting is changed and restored."""
     import torch
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    if _THREADS:
+        torch.set_num_threads(_THREADS)
+    # `python -m pytest` puts the repository root first on sys.path, where the
+    # fragments would win over an editable install's finder.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO]
+    import vllm
+
+    # The repository's vllm/ (fragments, no __init__.py) must never be it.
+    where = Path(vllm.__file__ or "").resolve()
+    if not where.is_relative_to(REPO / "build"):
+        raise pytest.UsageError(
+            f"import vllm gives {where or 'the repository fragments'}, not a tree "
+            "under build/: run tools/build_source_branch.py in this venv (README)"
+        )
