@@ -351,6 +351,6 @@ def test_b12x_w4a16_prepared_in_place_as_flashinfer_prepares(monkeypatch):
         assert torch.equal(
             param.view(torch.uint8), packed.view(torch.uint8).view_as(param)
         )
-    prepared = kernel.fused_experts._weights
+    prepared = kernel.fused_experts._layout
     assert torch.equal(prepared.w13_global_scale, want.w13_global_scale)
     assert torch.equal(prepared.w2_global_scale, want.w2_global_scale)

@@ -158,7 +158,7 @@ class FlashInferB12xW4A16Experts(FlashInferB12xExperts):
     def __init__(self, moe_config: FusedMoEConfig, quant_config: FusedMoEQuantConfig):
         super().__init__(moe_config, quant_config)
         assert quant_config.use_nvfp4_w4a16
-        self._weights: Any | None = None
+        self._layout: Any | None = None
 
     @staticmethod
     def _supports_quant_scheme(
@@ -187,15 +187,18 @@ class FlashInferB12xW4A16Experts(FlashInferB12xExperts):
             w13_scale[e].view(-1).copy_(p.w13_scale.view(-1))
             w2_scale[e].view(-1).copy_(p.w2_scale.view(-1))
             g1[e], g2[e] = p.w13_global_scale, p.w2_global_scale
+        # The packed tensors' shapes only: apply views the parameters it is
+        # given, so nothing here outlives the tensors a reload reprocesses.
         e = self.num_local_experts
-        self._weights = dataclasses.replace(
+        self._layout = dataclasses.replace(
             p,
-            w13=w13.view(torch.int32).view(e, *p.w13.shape[1:]),
-            w13_scale=w13_scale.view(e, *p.w13_scale.shape[1:]),
+            w13=p.w13.new_empty((e, *p.w13.shape[1:]), device="meta"),
+            w13_scale=p.w13_scale.new_empty((e, *p.w13_scale.shape[1:]), device="meta"),
             w13_global_scale=refill_derived(layer, "_experts_w4a16_g1", g1),
-            w2=w2.view(torch.int32).view(e, *p.w2.shape[1:]),
-            w2_scale=w2_scale.view(e, *p.w2_scale.shape[1:]),
+            w2=p.w2.new_empty((e, *p.w2.shape[1:]), device="meta"),
+            w2_scale=p.w2_scale.new_empty((e, *p.w2_scale.shape[1:]), device="meta"),
             w2_global_scale=refill_derived(layer, "_experts_w4a16_g2", g2),
+            workspace=refill_derived(layer, "_experts_w4a16_workspace", p.workspace),
             num_experts=e,
         )
 
@@ -223,8 +226,16 @@ class FlashInferB12xW4A16Experts(FlashInferB12xExperts):
             launch_sm120_moe,
         )
 
-        w = self._weights
-        assert w is not None, "process_weights_after_loading must run first"
+        layout = self._layout
+        assert layout is not None, "process_weights_after_loading must run first"
+        assert self.w1_scale is not None and self.w2_scale is not None
+        w = dataclasses.replace(
+            layout,
+            w13=w1.view(torch.int32).view(layout.w13.shape),
+            w13_scale=self.w1_scale.view(layout.w13_scale.shape),
+            w2=w2.view(torch.int32).view(layout.w2.shape),
+            w2_scale=self.w2_scale.view(layout.w2_scale.shape),
+        )
         launch_sm120_moe(
             a=hidden_states,
             topk_ids=topk_ids.to(torch.int32),
