@@ -311,7 +311,7 @@ def test_w4a16_layers_hold_flashinfers_prepare_of_the_checkpoint(name, loaded):
         ):
             got = param.view(torch.uint8).reshape(-1)
             assert torch.equal(got, packed.view(torch.uint8).reshape(-1)), i
-        prepared = layer.quant_method.moe_kernel.fused_experts._weights
+        prepared = layer.quant_method.moe_kernel.fused_experts._layout
         assert torch.equal(prepared.w13_global_scale, want.w13_global_scale), i
         assert torch.equal(prepared.w2_global_scale, want.w2_global_scale), i
         swapped = prepare(**source, activation="silu", w13_layout="w31")
