@@ -5,7 +5,7 @@ size per PR within vLLM's bands, as each PR page quotes it, and its own tests
 in upstream's tests/ passing from the tree as upstream's CI runs them.
 
 Each PR's tests failing at its parent is `tools/check_pr_series.py`'s check
-(about 20 minutes for both releases on 2 cores): run it after changing the
+(about 3 minutes for both releases on 2 quiet cores): run it after changing the
 series, and quote it on the PR pages."""
 
 import os
