@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """tests/quantizers loads with tests/vllm_loader's helpers (``cpu_loading``,
-``preparation_peaks``, ``gpu_stand_ins``), which import each other by bare
+``preparation_peaks``, ``upstream_b12x_test``), which import each other by bare
 name: that directory goes on ``sys.path`` (never the repository root, whose
 ``vllm/`` holds fragments)."""
 

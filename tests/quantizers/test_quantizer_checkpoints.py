@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_loading import vllm_world
-from gpu_stand_ins import b12x_kernels_in_torch, sm_count
 from preparation_peaks import load_model_measured, peak_bytes
 from safetensors import safe_open
 from safetensors.torch import load_file
+from upstream_b12x_test import b12x_test_module
 
 from tests.quantizers.write_checkpoints import (
     CHECKPOINTS,
@@ -40,7 +40,7 @@ from tests.quantizers.write_checkpoints import (
     reference_path,
 )
 
-from vllm_cpu_stand_ins import cuda_is_identity
+from vllm_cpu_stand_ins import b12x_kernels_in_torch, cuda_is_identity, sm_count
 
 REPO = Path(__file__).resolve().parents[2]
 OUT_DIR = Path(
@@ -142,7 +142,7 @@ def _experts_output(layer: torch.nn.Module, ref: dict, i: int) -> torch.Tensor:
     routes through its modular kernel (the b12x launch in torch), [T, H]."""
     from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 
-    with b12x_kernels_in_torch():
+    with b12x_kernels_in_torch(b12x_test_module()._TorchB12xMoEWrapper):
         return layer.quant_method.moe_kernel.apply(
             hidden_states=ref[f"layers.{i}.x"],
             w1=layer.w13_weight,

@@ -5,14 +5,14 @@ own loader with the series, ``moe_backend="flashinfer_b12x"``, on CPU.
 
 Helpers, each named for its job: ``cpu_loading`` (engine config, gloo world,
 ``load_model``), ``model_tensors`` (every reachable tensor's bytes and
-address), ``gpu_stand_ins`` (what the forward and FlashInfer's host code need
-a GPU for), ``upstream_b12x_test`` (upstream's b12x test module, imported
+address), ``upstream_b12x_test`` (upstream's b12x test module, imported
 from the tree), ``tiny_qwen3_moe`` (a tiny model quantized for real),
 ``w4a16_checkpoints``, ``preparation_peaks`` (each MoE layer's preparation
 measured in the loader) and ``tensor_parallel_rank`` (one rank of a TP
 world, a script).
 
-The helpers import each other by bare name, as ``benchmarks/``'s scripts do,
+Every stand-in is ``benchmarks/vllm_cpu_stand_ins.py``'s. The helpers import
+each other by bare name, as ``benchmarks/``'s scripts do,
 so that a worker process (``tensor_parallel_rank.py``) runs them unchanged:
 this directory goes on ``sys.path`` (never the repository root, whose
 ``vllm/`` holds fragments).

@@ -30,11 +30,12 @@ import pytest
 import tiny_qwen3_moe as tiny
 import torch
 from cpu_loading import load_model
-from gpu_stand_ins import (
+from upstream_b12x_test import b12x_test_module
+
+from vllm_cpu_stand_ins import (
     b12x_kernels_in_torch,
     causal_sdpa_attention,
 )
-from upstream_b12x_test import b12x_test_module
 
 TOKENS = (8, 32)  # sequences x tokens, random ids, seeded
 K = 2.0
@@ -80,7 +81,7 @@ def _vllm_logits(checkpoint) -> torch.Tensor:
     logits = []
     with (
         causal_sdpa_attention(),
-        b12x_kernels_in_torch(),
+        b12x_kernels_in_torch(b12x_test_module()._TorchB12xMoEWrapper),
         set_forward_context(None, cfg),
     ):
         for ids in _tokens():

@@ -31,13 +31,13 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_loading import load_model
-from gpu_stand_ins import sm_count
 from model_tensors import differences, reachable_tensors, records
 from w4a16_checkpoints import write_w4a16_checkpoint
 
 from vllm.config import set_current_vllm_config
 
 from nvfp4_checkpoint import PRESETS, write_checkpoint
+from vllm_cpu_stand_ins import sm_count
 
 pytestmark = pytest.mark.usefixtures("vllm_cpu", "flashinfer_sm_count")
 

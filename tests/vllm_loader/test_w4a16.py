@@ -16,7 +16,7 @@ W4A16 layout over each expert's loaded weights and block scales.
 Checkpoints: ModelOpt MIXED_PRECISION with the experts ``W4A16_NVFP4``
 (NVIDIA's Qwen3.6 release) and compressed-tensors NVFP4A16. A ModelOpt
 ``W4A16_NVFP4`` config alone is refused by 0.34.0 itself. FlashInfer's host
-code asks the device's SM count (``gpu_stand_ins.sm_count``).
+code asks the device's SM count (``vllm_cpu_stand_ins.sm_count``).
 """
 
 import dataclasses
@@ -25,14 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_loading import load_model
-from gpu_stand_ins import sm_count
 from preparation_peaks import load_model_measured, peak_bytes
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from w4a16_checkpoints import write_w4a16_checkpoint
 
 from nvfp4_checkpoint import PRESETS
-from vllm_cpu_stand_ins import cuda_is_identity
+from vllm_cpu_stand_ins import cuda_is_identity, sm_count
 
 pytestmark = pytest.mark.usefixtures("vllm_cpu", "flashinfer_sm_count")
 
