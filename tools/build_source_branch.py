@@ -155,7 +155,7 @@ def install(tree: Path, wheel: Path, version: str, requirements=()) -> None:
     ``requirements`` files with requirements/source-cpu.txt; ``import vllm``
     resolving into the tree is checked."""
     if sys.prefix == sys.base_prefix:
-        raise ToolError("not in a virtual environment: make .venv-source (README)")
+        raise ToolError("not in a virtual environment: make .venv (README)")
     pip = [sys.executable, "-m", "pip", "install", "-q"]
     reqs = [ROOT / "requirements/source-cpu.txt", *requirements]
     editable = [*pip, "--no-build-isolation", "--no-deps", "-e", str(tree)]

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Check each PR of the source series against vLLM's size bands and its own tests.
 
-    python tools/check_pr_series.py [--release V] [--json FILE]  # .venv-source
+    python tools/check_pr_series.py [--release V] [--json FILE]  # in .venv
 
 Per release, per commit of build/source/vllm-<V> (v<V>..nvfp4moe): the lines it
 adds under vllm/ (``git diff --numstat``; tests, docs and CI files are not

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Run upstream's own tests on the tag and on the series, compared per test.
 
-    python tools/compare_upstream_tests.py [--release V] [--quick]  # .venv-source
+    python tools/compare_upstream_tests.py [--release V] [--quick]  # in .venv
 
 SELECTION (--quick: QUICK) and the series' own test files, run from tests/ of
 build/source/vllm-<V> at v<V> and at nvfp4moe (junit XML in

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """Host time of one FlashInfer b12x experts ``apply``: branch against release.
 
-    .venv-source/bin/python benchmarks/kernels/benchmark_b12x_apply.py \\
+    python benchmarks/kernels/benchmark_b12x_apply.py \\
         --release build/release/vllm-0.34.0 --rounds 3 --json b12x_apply.json
 
 The branch is the installed vLLM (``build/source/vllm-0.34.0`` at

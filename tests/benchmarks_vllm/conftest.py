@@ -4,11 +4,7 @@
 
 They need the vllm of `build/source/vllm-0.34.0` (the branch, installed
 editable) and a worktree of its tag v0.34.0 at `build/release/vllm-0.34.0`
-(the release). The repository root holds partial `vllm/` files that must never
-be imported, so keep the root off sys.path: from the root, run
-
-    .venv-source/bin/python -P -m pytest -c /dev/null -p no:cacheprovider \
-        --import-mode=importlib --rootdir tests/benchmarks_vllm tests/benchmarks_vllm
+(the release), both made by tools/build_source_branch.py.
 """
 
 from pathlib import Path
