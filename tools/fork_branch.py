@@ -78,7 +78,7 @@ def _apply_entry(e: FileEntry, text: str, repo: Path, who: str, placed, package)
             raise ToolError(f"{who}: the branch's code reads {n}; upstream {theirs}")
         elif b == ("def",):
             relied.add(n)
-    up = fc.drop_unused_imports(up0, fc.add_imports(up, wanted), e.path)
+    up = fc.drop_unused_imports(up0, fc.add_imports(up, wanted, br), e.path)
     out = fc.sort_imports(up.code, e.path, package, who)
     return (fc.env_entries(out, branch_text, e.envs, who) if e.envs else out), relied
 

@@ -179,12 +179,33 @@ def _import_args(bound: str, mod: str, full: str) -> tuple:
     return mod or full, full if mod else None, None if bound == plain else bound
 
 
-def add_imports(module: cst.Module, wanted: dict) -> cst.Module:
-    """``module`` importing the bindings ``wanted`` (bound name -> binding)."""
+def _from_imports(module: cst.Module) -> list[cst.ImportFrom]:
+    lines = [s for s in module.body if isinstance(s, cst.SimpleStatementLine)]
+    return [s.body[0] for s in lines if isinstance(s.body[0], cst.ImportFrom)]
+
+
+def add_imports(
+    module: cst.Module, wanted: dict, branch: cst.Module | None = None
+) -> cst.Module:
+    """``module`` importing the bindings ``wanted`` (bound name -> binding); a
+    new ``from`` import keeps the comment ``branch`` puts after its ``(``
+    (upstream's ``# noqa: E501`` for a module path too long to wrap)."""
     ctx = CodemodContext()
     for bound, (_, mod, full) in sorted(wanted.items()):
         AddImportsVisitor.add_needed_import(ctx, *_import_args(bound, mod, full))
     body = list(AddImportsVisitor(ctx).transform_module(module).body)
+    noted = {
+        code(s.module): s
+        for s in _from_imports(branch or cst.Module([]))
+        if s.lpar and "#" in code(s.lpar)
+    }
+    old = {code(s) for s in _from_imports(module)}
+    for i, line in enumerate(body):
+        s = line.body[0] if isinstance(line, cst.SimpleStatementLine) else None
+        new = isinstance(s, cst.ImportFrom) and s.module and code(s) not in old
+        if new and (b := noted.get(code(s.module))):
+            s = s.with_changes(lpar=b.lpar, rpar=b.rpar)
+            body[i] = line.with_changes(body=[s, *line.body[1:]])
     # ruff format keeps a blank line after a module docstring; libcst does not
     if len(body) > 1 and _binds(body[0], True) == "__doc__":
         body[1] = body[1].with_changes(

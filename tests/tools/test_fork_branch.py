@@ -431,6 +431,23 @@ def test_imports_are_placed_as_upstreams_ruff_places_them(before, wanted, after)
     assert sort_imports(added, "vllm/x.py", "vllm", "x") == after
 
 
+def test_a_new_import_keeps_the_branchs_noqa_for_a_path_too_long_to_wrap():
+    long = "vllm.model_executor.layers.quantization.compressed_tensors"
+    long += ".compressed_tensors_moe"
+    branch = cst.parse_module(
+        f"from {long} import (  # noqa: E501\n    mod as m,\n)\nfrom vllm.a import b\n"
+    )
+    wanted = {"m": ("import", long, "mod"), "b": ("import", "vllm.a", "b")}
+    upstream = cst.parse_module("from vllm.a import c\n")
+    added = add_imports(upstream, wanted, branch).code
+    assert sort_imports(added, "tests/x.py", "vllm", "x") == (
+        f"from vllm.a import b, c\nfrom {long} import (  # noqa: E501\n"
+        "    mod as m,\n)\n"
+    )
+    # without the branch's comment, ruff's E501 line as before
+    assert "noqa" not in add_imports(upstream, wanted).code
+
+
 # Each case: upstream's file, where every import is read (USE), and what an
 # edit leaves when it no longer reads the names in it.
 USE = "\n\nuse(os, sys, a, b, F, G, c)\n"
