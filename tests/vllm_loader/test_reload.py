@@ -16,10 +16,10 @@ tensor reachable from the model (``model_tensors.records``: parameters,
 buffers, the experts' derived tensors, the kernel objects' views), its layout
 and bytes, and in direct mode its address.
 
-Also here: what a second ``process_weights_after_loading(model, ...)`` does to
-a prepared model (nothing guards it; the reload paths pop upstream's
-``_already_called_process_weights_after_loading`` and rewrite the checkpoint
-bytes before rerunning it).
+Also here: a second ``process_weights_after_loading(model, ...)`` on a
+prepared model changes nothing (upstream's
+``_already_called_process_weights_after_loading``, which the reload paths
+clear before they prepare a reloaded layer).
 """
 
 import json
@@ -177,37 +177,22 @@ def test_layerwise_reload_holds_the_w4a16_experts_once(checkpoint, monkeypatch):
     assert _held_bytes(model) - before <= scales
 
 
-_REPROCESSED = pytest.mark.xfail(
-    strict=True,
-    reason="nothing guards a second process_weights_after_loading: it "
-    "prepares the prepared experts again (W4A4: w13 halves swapped back, "
-    "block scales swizzled twice; W4A16: FlashInfer's repack applied twice); "
-    "the release too, running both as W4A4 (its fold also moves the block "
-    "scales into new tensors)",
-)
-
-
-@pytest.mark.parametrize(
-    "fmt",
-    [
-        "modelopt",
-        W4A16,
-        pytest.param("compressed-tensors", marks=_REPROCESSED),
-        pytest.param(CT_W4A16, marks=_REPROCESSED),
-    ],
-)
+@pytest.mark.parametrize("fmt", [*FORMATS, CT_W4A16])
 def test_second_process_weights_after_loading_changes_nothing(fmt, checkpoint):
+    """PR 5: the NVFP4 MoE methods prepare a layer once (the release
+    prepared compressed-tensors layers again: gate and up swapped back)."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     model, cfg = load_model(checkpoint(fmt, 0))
     before = records(model)
-    try:
-        process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
-    except IndexError:
-        # ModelOpt's method indexes w13_weight_scale_2[:, 0], which its first
-        # run left [E]: it raises before writing anything (release too).
-        assert fmt.startswith("modelopt")
-    assert differences(records(model), before, addresses=True) == []
+    process_weights_after_loading(model, cfg.model_config, torch.device("cpu"))
+    # Attention's host scale copies are made anew (see _HOST_SCALES), same bytes.
+    changed = [
+        d
+        for d in differences(records(model), before, addresses=True)
+        if not (d.endswith(": moved") and d.split(":")[0].endswith(_HOST_SCALES))
+    ]
+    assert changed == []
 
 
 _RELEASE_RELOAD = """

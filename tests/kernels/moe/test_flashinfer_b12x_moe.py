@@ -10,12 +10,19 @@ import torch
 from tests.kernels.moe.utils import make_dummy_moe_config
 from tests.kernels.quantization.nvfp4_utils import convert_swizzled_to_linear
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.experts.flashinfer_b12x_moe import (
+    FlashInferB12xExperts,
+)
 from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (
     NvFp4MoeBackend,
     backend_to_kernel_cls,
     convert_to_nvfp4_moe_kernel_format,
     make_nvfp4_moe_kernel,
     make_nvfp4_moe_quant_config,
+)
+from vllm.model_executor.layers.quantization import modelopt
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (  # noqa: E501
+    compressed_tensors_moe_w4a4_nvfp4 as ct_nvfp4_moe,
 )
 from vllm.model_executor.layers.quantization.utils.flashinfer_fp4_moe import (
     reorder_w1w3_to_w3w1,
@@ -354,3 +361,82 @@ def test_b12x_w4a16_prepared_in_place_as_flashinfer_prepares(monkeypatch):
     prepared = kernel.fused_experts._layout
     assert torch.equal(prepared.w13_global_scale, want.w13_global_scale)
     assert torch.equal(prepared.w2_global_scale, want.w2_global_scale)
+
+
+@pytest.mark.parametrize("fmt", ["modelopt", "compressed-tensors"])
+def test_b12x_quant_methods_prepare_a_layer_once(fmt, monkeypatch):
+    """A second process_weights_after_loading leaves a prepared layer as it
+    is (the preparation works in place: run twice, compressed-tensors swapped
+    gate and up back; ModelOpt raised an IndexError)."""
+    monkeypatch.setattr(
+        pytest.importorskip("flashinfer.fused_moe"),
+        "B12xMoEWrapper",
+        _TorchB12xMoEWrapper,
+    )
+    # What an explicit moe_backend="flashinfer_b12x" selects on SM120.
+    monkeypatch.setattr(
+        ct_nvfp4_moe if fmt == "compressed-tensors" else modelopt,
+        "select_nvfp4_moe_backend",
+        lambda **_: (NvFp4MoeBackend.FLASHINFER_B12X, FlashInferB12xExperts),
+    )
+    # One rank, without a process group (ModelOpt's parameters ask the TP rank).
+    monkeypatch.setattr(
+        "vllm.model_executor.parameter.get_tensor_model_parallel_rank", lambda: 0
+    )
+    monkeypatch.setattr(
+        "vllm.model_executor.parameter.get_tensor_model_parallel_world_size", lambda: 1
+    )
+    moe_config = make_dummy_moe_config(
+        num_experts=CPU_E,
+        experts_per_token=CPU_TOPK,
+        hidden_dim=CPU_H,
+        intermediate_size=CPU_I,
+    )
+    t, _, _ = _checkpoint_layer()
+    g13, a13 = (t[k].unsqueeze(1).repeat(1, 2) for k in ("w13_scale_2", "a13_scale"))
+    if fmt == "modelopt":
+        quant_config = modelopt.ModelOptNvFp4Config(
+            is_checkpoint_nvfp4_serialized=True, kv_cache_quant_algo=None
+        )
+        method = modelopt.ModelOptNvFp4FusedMoE(quant_config, moe_config)
+        loaded = {
+            "w13_weight": t["w13"],
+            "w13_weight_scale": t["w13_scale"],
+            "w13_weight_scale_2": g13,
+            "w13_input_scale": a13,
+            "w2_weight": t["w2"],
+            "w2_weight_scale": t["w2_scale"],
+            "w2_weight_scale_2": t["w2_scale_2"],
+            "w2_input_scale": t["a2_scale"],
+        }
+    else:  # compressed-tensors stores the reciprocal global scales
+        method = ct_nvfp4_moe.CompressedTensorsW4A4Nvfp4MoEMethod(moe_config)
+        loaded = {
+            "w13_weight_packed": t["w13"],
+            "w13_weight_scale": t["w13_scale"],
+            "w13_weight_global_scale": 1 / g13,
+            "w13_input_global_scale": 1 / a13,
+            "w2_weight_packed": t["w2"],
+            "w2_weight_scale": t["w2_scale"],
+            "w2_weight_global_scale": 1 / t["w2_scale_2"],
+            "w2_input_global_scale": 1 / t["a2_scale"],
+        }
+    layer = torch.nn.Module()
+    method.create_weights(
+        layer, CPU_E, CPU_H, CPU_I, torch.bfloat16, global_num_experts=CPU_E
+    )
+    for name, value in loaded.items():
+        getattr(layer, name).copy_(value)
+    # What the methods read of RoutedExperts besides the weights.
+    layer.activation, layer.moe_config = MoEActivation.SILU, moe_config
+    layer._expert_routing_tables = lambda: None
+
+    method.process_weights_after_loading(layer)
+    kernel = method.moe_kernel
+    prepared = {n: p.clone() for n, p in layer.named_parameters()}
+    method.process_weights_after_loading(layer)
+
+    for name, param in layer.named_parameters():
+        got, want = param.view(torch.uint8), prepared[name].view(torch.uint8)
+        assert torch.equal(got, want), name
+    assert method.moe_kernel is kernel
