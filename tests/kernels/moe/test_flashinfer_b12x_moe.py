@@ -433,6 +433,7 @@ def test_b12x_quant_methods_prepare_a_layer_once(fmt, monkeypatch):
 
     method.process_weights_after_loading(layer)
     kernel = method.moe_kernel
+    assert kernel is not None  # the first call prepared the layer
     prepared = {n: p.clone() for n, p in layer.named_parameters()}
     method.process_weights_after_loading(layer)
 
