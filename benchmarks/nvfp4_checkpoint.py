@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FORMATS", "PRESETS", "MoEPreset", "write_checkpoint"]
+__all__ = ["FORMATS", "PRESETS", "MoEPreset", "quant_config", "write_checkpoint"]
 
 FORMATS = ("modelopt", "compressed-tensors")
 
@@ -225,7 +225,7 @@ def _hf_config(p: MoEPreset, num_layers: int) -> dict:
     }
 
 
-def _quant_config(fmt: str) -> dict:
+def quant_config(fmt: str) -> dict:
     if fmt == "modelopt":
         # kv_cache_quant_algo must be present (null is fine): vLLM 0.34.0
         # refuses an NVFP4 hf_quant_config.json without it (modelopt.py:848).
@@ -316,8 +316,8 @@ def write_checkpoint(
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     config = _hf_config(preset, num_layers)
     if fmt == "modelopt":
-        (out / "hf_quant_config.json").write_text(json.dumps(_quant_config(fmt)))
+        (out / "hf_quant_config.json").write_text(json.dumps(quant_config(fmt)))
     else:
-        config["quantization_config"] = _quant_config(fmt)
+        config["quantization_config"] = quant_config(fmt)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out

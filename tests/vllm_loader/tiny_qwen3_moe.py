@@ -34,6 +34,8 @@ import torch
 from safetensors.torch import save_file
 from upstream_b12x_test import b12x_test_module
 
+from nvfp4_checkpoint import quant_config
+
 __all__ = [
     "CALIBRATION",
     "HIDDEN",
@@ -235,21 +237,7 @@ def write_modelopt_checkpoint(
     config = bf16.config.to_dict()
     config["torch_dtype"] = config["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    # kv_cache_quant_algo must be present (null is fine): vLLM 0.34.0 refuses
-    # an NVFP4 hf_quant_config.json without it.
-    quant = {
-        "producer": {"name": "modelopt", "version": "0.39.0"},
-        "quantization": {
-            "quant_algo": "NVFP4",
-            "kv_cache_quant_algo": None,
-            "group_size": 16,
-            "exclude_modules": [
-                "lm_head",
-                "model.layers.*.self_attn*",
-                "model.layers.*.mlp.gate",
-            ],
-        },
-    }
+    quant = quant_config("modelopt")
     (out / "hf_quant_config.json").write_text(json.dumps(quant, indent=1))
     return out
 
